@@ -1,0 +1,136 @@
+"""Paged attention, plugged into transformers through its attention interface.
+
+The engine flattens every scheduled request into one row of tokens (``input_ids`` of shape ``[1, T]``), so the
+model's own layers (projections, RoPE, norms) run once for the whole batch. Only attention needs to know where
+each request's KV lives; transformers hands it the extra ``paged_batch`` kwarg unchanged.
+
+Per layer, the function first writes the new K/V into their slots, then lets each request attend to its own
+pages only. Requests with one query token (decodes) are attended in one batched call; multi-token chunks
+(prefills) one by one with a causal mask over their own context. GQA is served without copying repeated heads:
+the query heads of one KV group are folded into extra query rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+ATTN_IMPLEMENTATION = "astrai_paged"
+
+
+@dataclass
+class PrefillChunk:
+    """A request computing several tokens this step."""
+
+    start: int  # first row in the flattened batch
+    length: int  # query tokens
+    key_slots: torch.Tensor  # [L] slots of its whole context, in position order
+    mask: torch.Tensor  # [groups * length, L] True where a query may attend
+
+
+@dataclass
+class PagedBatch:
+    """Where every token of one step lives in the paged KV cache. Built once per step, read by every layer."""
+
+    kv_cache: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K and V, each [kv_heads, slots, head_dim]
+    slot_mapping: torch.Tensor  # [T] slot each new token's K/V is written to
+    decode_rows: torch.Tensor  # [Bd] rows with a single query token
+    decode_slots: torch.Tensor  # [Bd, Lmax] context slots per decode row (padded)
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, Lmax] or None when no padding
+    decode_covers_all: bool  # every row is a decode row: skip the scatter
+    prefills: list[PrefillChunk]
+
+
+def build_paged_batch(
+    kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
+    items: list[tuple[list[int], int, int]],
+    page_size: int,
+    groups: int,
+) -> PagedBatch:
+    """``items`` holds, per request, (its page table, tokens already computed, tokens computed now)."""
+    new_slots: list[torch.Tensor] = []
+    decode_rows: list[int] = []
+    decode_slots: list[torch.Tensor] = []
+    prefills: list[PrefillChunk] = []
+    row = 0
+    for pages, done, count in items:
+        context = done + count
+        positions = torch.arange(context)
+        slots = torch.tensor(pages)[positions // page_size] * page_size + positions % page_size
+        new_slots.append(slots[done:])
+        if count == 1:
+            decode_rows.append(row)
+            decode_slots.append(slots)
+        else:
+            mask = positions <= positions[done:].unsqueeze(1)
+            mask = mask.expand(groups, count, context).reshape(groups * count, context)
+            prefills.append(PrefillChunk(row, count, slots, mask))
+        row += count
+    longest = max((len(s) for s in decode_slots), default=0)
+    padded = torch.zeros(len(decode_slots), longest, dtype=torch.long)
+    mask = torch.zeros(len(decode_slots), 1, 1, longest, dtype=torch.bool)
+    for i, slots in enumerate(decode_slots):
+        padded[i, : len(slots)] = slots
+        mask[i, ..., : len(slots)] = True
+    return PagedBatch(
+        kv_cache=kv_cache,
+        slot_mapping=torch.cat(new_slots),
+        decode_rows=torch.tensor(decode_rows, dtype=torch.long),
+        decode_slots=padded,
+        decode_mask=None if bool(mask.all()) else mask,
+        decode_covers_all=len(decode_rows) == row,
+        prefills=prefills,
+    )
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    paged_batch: PagedBatch | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """q: [1, H, T, D], k/v: [1, KVH, T, D] (after RoPE). Returns ([1, T, H, D], None)."""
+    if paged_batch is None:
+        raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the engine's paged_batch kwarg")
+    k_cache, v_cache = paged_batch.kv_cache[module.layer_idx]
+    k_cache.index_copy_(1, paged_batch.slot_mapping, key[0])
+    v_cache.index_copy_(1, paged_batch.slot_mapping, value[0])
+
+    heads, rows, head_dim = query.shape[1], query.shape[2], query.shape[3]
+    kv_heads = k_cache.shape[0]
+    groups = heads // kv_heads
+    q = query[0]  # [H, T, D]
+    out = query.new_empty(rows, heads, head_dim)
+
+    batch = paged_batch
+    if batch.decode_rows.numel():
+        q_dec = q if batch.decode_covers_all else q[:, batch.decode_rows]
+        n = q_dec.shape[1]
+        q_dec = q_dec.transpose(0, 1).reshape(n, kv_heads, groups, head_dim)
+        k = k_cache[:, batch.decode_slots].transpose(0, 1)  # [Bd, KVH, L, D]
+        v = v_cache[:, batch.decode_slots].transpose(0, 1)
+        res = F.scaled_dot_product_attention(q_dec, k, v, attn_mask=batch.decode_mask, scale=scaling)
+        res = res.reshape(n, heads, head_dim)
+        if batch.decode_covers_all:
+            out = res
+        else:
+            out.index_copy_(0, batch.decode_rows, res)
+
+    for chunk in batch.prefills:
+        q_pre = q[:, chunk.start : chunk.start + chunk.length].reshape(1, kv_heads, groups * chunk.length, head_dim)
+        k = k_cache[:, chunk.key_slots].unsqueeze(0)  # [1, KVH, L, D]
+        v = v_cache[:, chunk.key_slots].unsqueeze(0)
+        res = F.scaled_dot_product_attention(q_pre, k, v, attn_mask=chunk.mask, scale=scaling)
+        res = res.reshape(heads, chunk.length, head_dim).transpose(0, 1)
+        out[chunk.start : chunk.start + chunk.length] = res
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)

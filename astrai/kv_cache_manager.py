@@ -1,0 +1,129 @@
+"""Per-request page bookkeeping on top of the pool: prefix lookup, allocation, registration, release.
+
+Pages are registered in the prefix index only after the forward pass that wrote them. Within one step, a page
+that an earlier-scheduled request is about to complete is "pending": a request admitted later in the same step
+may share it, because attention writes every new K/V of a layer before any request reads. That is how prompts
+submitted together compute their shared prefix once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from astrai.page_pool import PageKey, PagePool, page_key
+from astrai.request import Request
+
+HIT_WINDOW = 32  # lookups in the "recent" hit rate
+
+
+class KVCacheManager:
+    def __init__(self, pool: PagePool, prefix_caching: bool):
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.prefix_caching = prefix_caching
+        self._pending: dict[PageKey, tuple[int, int]] = {}  # key -> (page, owner request id), this step only
+        self.query_tokens = 0
+        self.hit_tokens = 0
+        self._recent: deque[tuple[int, int]] = deque(maxlen=HIT_WINDOW)
+
+    # ----- keys -----------------------------------------------------------------------------------------
+    def _keys(self, req: Request, n_pages: int) -> list[PageKey]:
+        """Chain keys of the request's first ``n_pages`` full pages, extending the memo as tokens allow."""
+        keys, size = req.page_keys, self.page_size
+        while len(keys) < n_pages:
+            i = len(keys)
+            keys.append(page_key(keys[-1] if keys else None, req.token_ids[i * size : (i + 1) * size], req.cache_salt))
+        return keys[:n_pages]
+
+    def _page_tokens(self, req: Request, i: int) -> list[int]:
+        return req.token_ids[i * self.page_size : (i + 1) * self.page_size]
+
+    # ----- admission ------------------------------------------------------------------------------------
+    def admit(self, req: Request, token_budget: int) -> int:
+        """Attach the longest cached prefix and allocate pages for the first chunk.
+
+        Returns how many tokens to compute this step, or 0 (nothing held) when the pool cannot fit the chunk.
+        The hit is capped at ``len(tokens) - 1``: the last token is always recomputed for its logits.
+        """
+        hits = self._match_prefix(req)
+        for page in hits:
+            self.pool.acquire(page)
+        req.pages = list(hits)
+        req.indexed_pages = len(hits)
+        req.num_computed = len(hits) * self.page_size
+        count = min(len(req.token_ids) - req.num_computed, token_budget)
+        if not self.allocate(req, req.num_computed + count):
+            self.free(req)
+            return 0
+        query, hit = len(req.token_ids), len(hits) * self.page_size
+        self.query_tokens += query
+        self.hit_tokens += hit
+        self._recent.append((query, hit))
+        if req.cached_tokens is None:
+            req.cached_tokens = hit
+        return count
+
+    def _match_prefix(self, req: Request) -> list[int]:
+        if not self.prefix_caching:
+            return []
+        hits: list[int] = []
+        for i, key in enumerate(self._keys(req, (len(req.token_ids) - 1) // self.page_size)):
+            tokens = self._page_tokens(req, i)
+            page = self.pool.lookup(key, tokens)
+            if page is None and key in self._pending:
+                page = self._pending[key][0]
+            if page is None:
+                break
+            hits.append(page)
+        return hits
+
+    def allocate(self, req: Request, total_tokens: int) -> bool:
+        """Make room for ``total_tokens`` of KV; all-or-nothing, so a failure leaves the request as it was."""
+        need = -(-total_tokens // self.page_size) - len(req.pages)
+        if need > self.pool.available:
+            return False
+        req.pages.extend(self.pool.allocate() for _ in range(need))
+        return True
+
+    def mark_pending(self, req: Request, total_tokens: int) -> None:
+        """Offer the pages this step's forward will complete to requests admitted later in the same step."""
+        if not self.prefix_caching:
+            return
+        first, last = req.indexed_pages, total_tokens // self.page_size
+        for i, key in enumerate(self._keys(req, last)[first:], start=first):
+            self._pending.setdefault(key, (req.pages[i], req.id))
+
+    # ----- after the forward ----------------------------------------------------------------------------
+    def commit(self, req: Request) -> None:
+        """Register the request's pages that became full in this step's forward."""
+        full = req.num_computed // self.page_size
+        if self.prefix_caching:
+            for i, key in enumerate(self._keys(req, full)[req.indexed_pages :], start=req.indexed_pages):
+                self.pool.register(req.pages[i], key, self._page_tokens(req, i), i)
+        req.indexed_pages = max(req.indexed_pages, full)
+
+    def end_step(self) -> None:
+        self._pending.clear()
+
+    def free(self, req: Request) -> None:
+        """Release the request's pages tail-first. Its chain keys stay memoized for a later re-admission."""
+        if self._pending:
+            self._pending = {k: v for k, v in self._pending.items() if v[1] != req.id}
+        self.pool.release(req.pages)
+        req.pages = []
+        req.num_computed = 0
+        req.indexed_pages = 0
+
+    # ----- stats ----------------------------------------------------------------------------------------
+    def hit_rates(self) -> tuple[float, float]:
+        """Token-weighted prefix hit rate: cumulative, and over the last ``HIT_WINDOW`` lookups."""
+        recent_q = sum(q for q, _ in self._recent)
+        recent_h = sum(h for _, h in self._recent)
+        return (
+            self.hit_tokens / self.query_tokens if self.query_tokens else 0.0,
+            recent_h / recent_q if recent_q else 0.0,
+        )
+
+    def clear(self) -> int:
+        self._pending.clear()
+        return self.pool.clear()

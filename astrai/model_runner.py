@@ -1,0 +1,84 @@
+"""Runs one step of a transformers causal LM over the paged KV cache.
+
+The model definition is transformers' own; the runner only switches its attention implementation to ours,
+owns the KV tensors, flattens the scheduled requests into one ``[1, T]`` row and computes logits just for the
+rows that sample.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig, PreTrainedModel
+
+from astrai.attention import ATTN_IMPLEMENTATION, build_paged_batch
+from astrai.request import Request
+
+SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def check_supported(config: PretrainedConfig) -> None:
+    """Refuse, at load, an architecture whose attention the paged hook would compute wrongly."""
+    name = type(config).__name__
+    layer_types = getattr(config, "layer_types", None) or []
+    if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
+        raise ValueError(f"{name}: sliding-window attention is not supported by the paged attention hook")
+    if getattr(config, "attn_logit_softcapping", None):
+        raise ValueError(f"{name}: attention logit soft-capping is not supported by the paged attention hook")
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{name}: only decoder-only causal LMs are supported")
+
+
+def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class ModelRunner:
+    def __init__(self, model: PreTrainedModel, n_pages: int, page_size: int, dtype: torch.dtype):
+        config = model.config
+        check_supported(config)
+        self.model = model.to(dtype).eval()
+        self.previous_attn = config._attn_implementation
+        self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self.page_size = page_size
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        self.groups = heads // kv_heads
+        slots = n_pages * page_size
+        self.kv_cache = [
+            (torch.zeros(kv_heads, slots, head_dim, dtype=dtype), torch.zeros(kv_heads, slots, head_dim, dtype=dtype))
+            for _ in range(config.num_hidden_layers)
+        ]
+
+    def restore(self) -> None:
+        """Give the model back its original attention implementation (the caller may use it elsewhere)."""
+        self.model.set_attn_implementation(self.previous_attn)
+
+    @torch.inference_mode()
+    def step(self, work: list[tuple[Request, int]]) -> torch.Tensor:
+        """Compute ``count`` tokens of each request; return logits [R, V] for the requests that reach their end."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        for req, count in work:
+            start = req.num_computed
+            input_ids.extend(req.token_ids[start : start + count])
+            positions.extend(range(start, start + count))
+            if start + count == len(req.token_ids):
+                sample_rows.append(len(input_ids) - 1)
+        batch = build_paged_batch(
+            self.kv_cache,
+            [(req.pages, req.num_computed, count) for req, count in work],
+            self.page_size,
+            self.groups,
+        )
+        out = self.model(
+            input_ids=torch.tensor([input_ids]),
+            position_ids=torch.tensor([positions]),
+            use_cache=False,
+            logits_to_keep=torch.tensor(sample_rows, dtype=torch.long),
+            paged_batch=batch,
+        )
+        return out.logits[0]

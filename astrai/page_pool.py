@@ -1,0 +1,201 @@
+"""The page pool: fixed-size KV pages with ref counts, a prefix index and an LRU of cached pages.
+
+Every page is in exactly one state:
+
+* ``free``   - holds no KV worth keeping; sits in the free list.
+* ``in_use`` - ref count >= 1.
+* ``cached`` - ref count 0, but its complete KV is indexed by its chained hash and it sits in the LRU.
+
+All operations are O(1): the free list is a deque, the LRU is an ``OrderedDict`` (move/pop by key), and the
+index is a dict. Eviction only happens when the free list is empty.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+PageKey = bytes
+
+
+class PageState(str, Enum):
+    FREE = "free"
+    IN_USE = "in_use"
+    CACHED = "cached"
+
+
+def page_key(parent: PageKey | None, tokens: Sequence[int], salt: str | None = None) -> PageKey:
+    """Chained hash of one full page: the parent's key (or the salt, for a first page) plus this page's tokens.
+
+    Chaining makes a page's key depend on everything before it, so equal tokens after different prefixes
+    never share KV.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    if parent is None:
+        h.update(b"root:" + (salt or "").encode("utf-8", "surrogatepass"))
+    else:
+        h.update(b"page:" + parent)
+    h.update(b"|" + ",".join(map(str, tokens)).encode())
+    return h.digest()
+
+
+@dataclass
+class PoolStats:
+    """Counters that only ever grow; occupancy is derived from the pool's structures."""
+
+    evictions: int = 0
+    stored: int = 0
+
+
+class PagePool:
+    """Owns page bookkeeping (not the KV tensors themselves): states, ref counts, hashes, LRU, free list."""
+
+    def __init__(self, n_pages: int, page_size: int, on_event: Callable[[str, dict], None] | None = None):
+        if n_pages < 1 or page_size < 1:
+            raise ValueError(f"n_pages and page_size must be >= 1, got {n_pages} and {page_size}")
+        self.n_pages = n_pages
+        self.page_size = page_size
+        self.ref_count = [0] * n_pages
+        self.key: list[PageKey | None] = [None] * n_pages
+        self.tokens: list[tuple[int, ...] | None] = [None] * n_pages
+        self.chain_pos: list[int] = [-1] * n_pages
+        self.index: dict[PageKey, int] = {}
+        self.lru: OrderedDict[int, None] = OrderedDict()  # first = least recently used
+        self.free: deque[int] = deque(range(n_pages))
+        self.stats = PoolStats()
+        self._on_event = on_event or (lambda kind, data: None)
+
+    # ----- queries -------------------------------------------------------------------------------------
+    @property
+    def free_pages(self) -> int:
+        return len(self.free)
+
+    @property
+    def cached_pages(self) -> int:
+        return len(self.lru)
+
+    @property
+    def used_pages(self) -> int:
+        return self.n_pages - len(self.free) - len(self.lru)
+
+    @property
+    def available(self) -> int:
+        """Pages an allocation can get: free ones plus evictable cached ones."""
+        return len(self.free) + len(self.lru)
+
+    def state(self, page: int) -> PageState:
+        if self.ref_count[page] > 0:
+            return PageState.IN_USE
+        return PageState.CACHED if page in self.lru else PageState.FREE
+
+    def lookup(self, key: PageKey, tokens: Sequence[int]) -> int | None:
+        """The page holding exactly these tokens under this chain key, or None.
+
+        The stored tokens are compared too, so a hash collision can never serve wrong KV.
+        """
+        page = self.index.get(key)
+        if page is None or self.tokens[page] != tuple(tokens):
+            return None
+        return page
+
+    # ----- ref counting ---------------------------------------------------------------------------------
+    def acquire(self, page: int) -> None:
+        """Take a reference on an indexed page (a prefix hit); a cached page leaves the LRU ("touch")."""
+        if self.ref_count[page] == 0:
+            if page not in self.lru:
+                raise RuntimeError(f"page {page} is free; only in-use or cached pages can be shared")
+            del self.lru[page]
+        self.ref_count[page] += 1
+
+    def allocate(self) -> int:
+        """A fresh page with ref count 1: from the free list, else by evicting the LRU cached page."""
+        if self.free:
+            page = self.free.popleft()
+        elif self.lru:
+            page, _ = self.lru.popitem(last=False)
+            self._forget(page)
+            self.stats.evictions += 1
+            self._on_event("page_evicted", {"page": page})
+        else:
+            raise MemoryError("no free or evictable page left")
+        self.ref_count[page] = 1
+        return page
+
+    def release(self, pages: Sequence[int]) -> None:
+        """Drop one reference on each page, tail-first, so a request's tail pages are evicted before its head."""
+        for page in reversed(pages):
+            if self.ref_count[page] <= 0:
+                raise RuntimeError(f"page {page} released more often than acquired")
+            self.ref_count[page] -= 1
+            if self.ref_count[page] == 0:
+                if self.key[page] is not None:
+                    self.lru[page] = None
+                else:
+                    self._reset(page)
+                    self.free.append(page)
+
+    # ----- the prefix index -----------------------------------------------------------------------------
+    def register(self, page: int, key: PageKey, tokens: Sequence[int], chain_pos: int) -> bool:
+        """Index a page whose KV was just written. Returns False if that key is already served by another page."""
+        if self.ref_count[page] <= 0:
+            raise RuntimeError(f"only an in-use page can be registered, page {page} is not")
+        if self.key[page] is not None or key in self.index:
+            return False
+        self.index[key] = page
+        self.key[page] = key
+        self.tokens[page] = tuple(tokens)
+        self.chain_pos[page] = chain_pos
+        self.stats.stored += 1
+        self._on_event("page_stored", {"page": page, "chain_pos": chain_pos})
+        return True
+
+    def clear(self) -> int:
+        """Empty the prefix cache: cached pages go free, in-use pages are unindexed. Returns pages freed."""
+        freed = len(self.lru)
+        for page in self.index.values():
+            self._reset(page)
+        self.free.extend(self.lru)
+        self.lru.clear()
+        self.index.clear()
+        return freed
+
+    def _forget(self, page: int) -> None:
+        key = self.key[page]
+        if key is not None and self.index.get(key) == page:
+            del self.index[key]
+        self._reset(page)
+
+    def _reset(self, page: int) -> None:
+        self.key[page] = None
+        self.tokens[page] = None
+        self.chain_pos[page] = -1
+
+    # ----- introspection --------------------------------------------------------------------------------
+    def lru_rank(self) -> dict[int, int]:
+        """Rank of each cached page in the LRU: 0 is the next to be evicted."""
+        return {page: rank for rank, page in enumerate(self.lru)}
+
+    def check_invariants(self, live_refs: dict[int, int] | None = None) -> None:
+        """Raise AssertionError if the structures disagree. Used by tests and the soak; O(n_pages)."""
+        free, lru = set(self.free), set(self.lru)
+        assert len(free) == len(self.free), "free list holds duplicates"
+        assert not free & lru, "a page is both free and cached"
+        for page in range(self.n_pages):
+            ref = self.ref_count[page]
+            assert ref >= 0, f"page {page} has negative ref count"
+            in_states = (page in free) + (page in lru) + (ref > 0)
+            assert in_states == 1, f"page {page} is in {in_states} states"
+            if page in lru:
+                assert self.key[page] is not None, f"cached page {page} is not indexed"
+            if page in free:
+                assert self.key[page] is None, f"free page {page} still has a key"
+            if live_refs is not None:
+                assert ref == live_refs.get(page, 0), f"page {page}: ref {ref} != live refs {live_refs.get(page, 0)}"
+        for key, page in self.index.items():
+            assert self.key[page] == key, f"index entry for page {page} disagrees with the page"
+        indexed = {p for p in range(self.n_pages) if self.key[p] is not None}
+        assert indexed == set(self.index.values()), "pages with keys and the index differ"
+        assert self.free_pages + self.cached_pages + self.used_pages == self.n_pages

@@ -1,0 +1,71 @@
+"""A request's life: its tokens, its pages, and how far its KV has been computed."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from astrai.page_pool import PageKey
+from astrai.sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(str, Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+@dataclass(eq=False)
+class Request:
+    """One prompt being generated. ``token_ids`` is prompt + generated; KV exists for ``num_computed`` of them."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None = None
+    generator: torch.Generator | None = None
+    id: int = field(default_factory=lambda: next(_ids))
+    status: Status = Status.WAITING
+    token_ids: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    page_keys: list[PageKey] = field(default_factory=list)  # chain keys of the leading full pages
+    num_computed: int = 0
+    indexed_pages: int = 0  # leading pages already in the prefix index (or checked against it)
+    cached_tokens: int | None = None  # prefix hit at first admission, for the UI
+    preemptions: int = 0
+    error: BaseException | None = None
+    submitted_at: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def done(self) -> bool:
+        return self.status in (Status.FINISHED, Status.CANCELLED, Status.FAILED)
+
+    @property
+    def max_len(self) -> int:
+        """The most tokens this request can ever hold, which admission checks against the pool."""
+        return self.prompt_len + self.params.max_tokens
+
+    def full_pages(self, page_size: int) -> int:
+        """Pages whose every slot holds computed KV: only these may be shared."""
+        return self.num_computed // page_size

@@ -1,0 +1,96 @@
+"""Continuous batching: which requests compute how many tokens in the next step.
+
+Every step advances every running request that fits the token budget, whatever its position: decodes first
+(one token each, so they stay smooth), then prefill chunks. Waiting requests are admitted in arrival order
+while pages, batch slots and budget allow. When a running request needs a page and none can be freed or
+evicted, the newest running request is preempted by recompute: its pages are released (registered ones stay
+cached) and it goes back to the front of the queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from astrai.kv_cache_manager import KVCacheManager
+from astrai.request import Request, Status
+
+
+class Scheduler:
+    def __init__(
+        self,
+        cache: KVCacheManager,
+        max_batch_size: int,
+        max_batched_tokens: int,
+        on_event: Callable[[str, dict], None],
+    ):
+        self.cache = cache
+        self.max_batch_size = max_batch_size
+        self.max_batched_tokens = max_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last is the newest
+        self.preemptions = 0
+        self._on_event = on_event
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[tuple[Request, int]]:
+        """Pick this step's work as (request, tokens to compute); pages for them are allocated on return."""
+        scheduled: dict[Request, int] = {}
+        budget = self.max_batched_tokens
+        preempted = False
+        decodes = [r for r in self.running if len(r.token_ids) - r.num_computed == 1]
+        prefills = [r for r in self.running if len(r.token_ids) - r.num_computed > 1]
+        for req in decodes + prefills:
+            if req.status is not Status.RUNNING or budget <= 0:
+                continue
+            count = min(len(req.token_ids) - req.num_computed, budget)
+            while not self.cache.allocate(req, req.num_computed + count):
+                victim = self.running[-1]
+                budget += scheduled.pop(victim, 0)
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                scheduled[req] = count
+                budget -= count
+                self.cache.mark_pending(req, req.num_computed + count)
+        if not preempted:
+            self._admit(scheduled, budget)
+        return list(scheduled.items())
+
+    def _admit(self, scheduled: dict[Request, int], budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+            req = self.waiting[0]
+            count = self.cache.admit(req, budget)
+            if count == 0:
+                return
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            scheduled[req] = count
+            budget -= count
+            self.cache.mark_pending(req, req.num_computed + count)
+            self._on_event("request_admitted", {"request": req.id, "cached_tokens": req.num_computed})
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.cache.free(req)
+        req.status = Status.WAITING
+        req.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(req)
+        self._on_event("request_preempted", {"request": req.id})
+
+    def remove(self, req: Request) -> None:
+        """Take a request out of the queues (finished, cancelled or failed) and release its pages."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.cache.free(req)
