@@ -57,8 +57,11 @@ class InferenceEngine:
     ):
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(SUPPORTED_DTYPES)}, got {dtype!r}")
-        for name, value in (("page_size", page_size), ("max_batch_size", max_batch_size),
-                            ("max_batched_tokens", max_batched_tokens)):
+        for name, value in (
+            ("page_size", page_size),
+            ("max_batch_size", max_batch_size),
+            ("max_batched_tokens", max_batched_tokens),
+        ):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         check_supported(model.config)
@@ -71,9 +74,15 @@ class InferenceEngine:
         model_limit = getattr(model.config, "max_position_embeddings", None) or n_pages * page_size
         self.max_seq_len = min(max_seq_len or model_limit, model_limit)
         self.tokenizer = tokenizer
-        self.config = dict(page_size=page_size, n_pages=n_pages, max_batch_size=max_batch_size,
-                           max_seq_len=self.max_seq_len, max_batched_tokens=max_batched_tokens,
-                           prefix_caching=prefix_caching, dtype=dtype)
+        self.config = dict(
+            page_size=page_size,
+            n_pages=n_pages,
+            max_batch_size=max_batch_size,
+            max_seq_len=self.max_seq_len,
+            max_batched_tokens=max_batched_tokens,
+            prefix_caching=prefix_caching,
+            dtype=dtype,
+        )
         self.eos_ids = _eos_ids(model, tokenizer)
 
         self._events: deque[dict] = deque(maxlen=event_log_size)
@@ -103,7 +112,10 @@ class InferenceEngine:
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(SUPPORTED_DTYPES)}, got {dtype!r}")
         model = AutoModelForCausalLM.from_pretrained(
-            name_or_path, config=config, use_safetensors=True, trust_remote_code=False,
+            name_or_path,
+            config=config,
+            use_safetensors=True,
+            trust_remote_code=False,
             dtype=SUPPORTED_DTYPES[dtype],
         )
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=False)
@@ -142,7 +154,7 @@ class InferenceEngine:
         if stream:
             return out
         results = [""] * len(requests)
-        for index, delta in (((0, d) for d in out) if single else out):
+        for index, delta in ((0, d) for d in out) if single else out:
             results[index] += delta
         return results[0] if single else results
 
@@ -164,12 +176,22 @@ class InferenceEngine:
             pool, cache = self.pool, self.cache
             hit_rate, recent = cache.hit_rates()
             return dict(
-                n_pages=pool.n_pages, page_size=pool.page_size, free_pages=pool.free_pages,
-                used_pages=pool.used_pages, cached_pages=pool.cached_pages, query_tokens=cache.query_tokens,
-                hit_tokens=cache.hit_tokens, hit_rate=hit_rate, recent_hit_rate=recent,
-                evictions=pool.stats.evictions, stored_pages=pool.stats.stored,
-                preemptions=self.scheduler.preemptions, running=len(self.scheduler.running),
-                waiting=len(self.scheduler.waiting), steps=self.steps, prefix_caching=cache.prefix_caching,
+                n_pages=pool.n_pages,
+                page_size=pool.page_size,
+                free_pages=pool.free_pages,
+                used_pages=pool.used_pages,
+                cached_pages=pool.cached_pages,
+                query_tokens=cache.query_tokens,
+                hit_tokens=cache.hit_tokens,
+                hit_rate=hit_rate,
+                recent_hit_rate=recent,
+                evictions=pool.stats.evictions,
+                stored_pages=pool.stats.stored,
+                preemptions=self.scheduler.preemptions,
+                running=len(self.scheduler.running),
+                waiting=len(self.scheduler.waiting),
+                steps=self.steps,
+                prefix_caching=cache.prefix_caching,
             )
 
     def cache_snapshot(self) -> list[dict[str, Any]]:
@@ -189,11 +211,18 @@ class InferenceEngine:
                 if tokens is None and page in seen:
                     req, pos = seen[page]
                     tokens = tuple(req.token_ids[pos * size : min((pos + 1) * size, req.num_computed)])
-                records.append(dict(
-                    page=page, state=pool.state(page).value, ref_count=pool.ref_count[page],
-                    lru_rank=ranks.get(page), requests=owners.get(page, []), chain_pos=pos,
-                    tokens=list(tokens or ()), indexed=pool.key[page] is not None,
-                ))
+                records.append(
+                    dict(
+                        page=page,
+                        state=pool.state(page).value,
+                        ref_count=pool.ref_count[page],
+                        lru_rank=ranks.get(page),
+                        requests=owners.get(page, []),
+                        chain_pos=pos,
+                        tokens=list(tokens or ()),
+                        indexed=pool.key[page] is not None,
+                    )
+                )
             return records
 
     def events(self, after: int = 0) -> list[dict]:
@@ -215,8 +244,10 @@ class InferenceEngine:
             self._lock.notify_all()
         self._thread.join(timeout)
         with self._lock:
-            self._fail(list(self.scheduler.running) + list(self.scheduler.waiting),
-                       EngineClosedError("the engine was shut down before this request finished"))
+            self._fail(
+                list(self.scheduler.running) + list(self.scheduler.waiting),
+                EngineClosedError("the engine was shut down before this request finished"),
+            )
         self.runner.restore()
 
     def __enter__(self) -> InferenceEngine:
@@ -249,8 +280,10 @@ class InferenceEngine:
         total = len(ids) + params.max_tokens
         capacity = self.pool.n_pages * self.pool.page_size
         if total > self.max_seq_len:
-            raise ValueError(f"prompt {index} has {len(ids)} tokens; with max_tokens={params.max_tokens} that is "
-                             f"{total}, over max_seq_len={self.max_seq_len}")
+            raise ValueError(
+                f"prompt {index} has {len(ids)} tokens; with max_tokens={params.max_tokens} that is "
+                f"{total}, over max_seq_len={self.max_seq_len}"
+            )
         if total > capacity:
             raise ValueError(f"prompt {index} needs {total} tokens of KV but the whole pool holds {capacity}")
         generator = None
@@ -285,8 +318,10 @@ class InferenceEngine:
             log.exception("astrai engine loop died")
             self._loop_error = exc
             with self._lock:
-                self._fail(list(self.scheduler.running) + list(self.scheduler.waiting),
-                           EngineClosedError(f"the engine loop died: {exc!r}"))
+                self._fail(
+                    list(self.scheduler.running) + list(self.scheduler.waiting),
+                    EngineClosedError(f"the engine loop died: {exc!r}"),
+                )
 
     def _step(self) -> None:
         """Schedule, run the model, sample, and stream. A failure fails only this step's requests."""
@@ -303,7 +338,7 @@ class InferenceEngine:
             tokens = sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
             with self._lock:
                 self.steps += 1
-                self._finish_step(work, dict(zip(sampled, tokens)))
+                self._finish_step(work, dict(zip(sampled, tokens, strict=True)))
         except Exception as exc:
             log.exception("astrai step failed")
             with self._lock:
@@ -385,8 +420,13 @@ def _info(req: Request) -> dict[str, Any]:
     generated = len(req.output_ids)
     decode_time = end - req.first_token_at if req.first_token_at else 0.0
     return dict(
-        id=req.id, status=req.status.value, prompt_tokens=req.prompt_len, cached_tokens=req.cached_tokens,
-        generated_tokens=generated, preemptions=req.preemptions, prompt_ids=list(req.prompt_ids),
+        id=req.id,
+        status=req.status.value,
+        prompt_tokens=req.prompt_len,
+        cached_tokens=req.cached_tokens,
+        generated_tokens=generated,
+        preemptions=req.preemptions,
+        prompt_ids=list(req.prompt_ids),
         ttft=(req.first_token_at - req.submitted_at) if req.first_token_at else None,
         tokens_per_s=(generated - 1) / decode_time if generated > 1 and decode_time > 0 else None,
         error=str(req.error) if req.error else None,

@@ -16,12 +16,12 @@ import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 PageKey = bytes
 
 
-class PageState(str, Enum):
+class PageState(StrEnum):
     FREE = "free"
     IN_USE = "in_use"
     CACHED = "cached"

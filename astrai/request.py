@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 import torch
 
@@ -15,7 +15,7 @@ from astrai.sampling import SamplingParams
 _ids = itertools.count()
 
 
-class Status(str, Enum):
+class Status(StrEnum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
