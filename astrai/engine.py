@@ -427,6 +427,7 @@ def _info(req: Request) -> dict[str, Any]:
         generated_tokens=generated,
         preemptions=req.preemptions,
         prompt_ids=list(req.prompt_ids),
+        output_ids=req.output_ids,
         ttft=(req.first_token_at - req.submitted_at) if req.first_token_at else None,
         tokens_per_s=(generated - 1) / decode_time if generated > 1 and decode_time > 0 else None,
         error=str(req.error) if req.error else None,
