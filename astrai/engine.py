@@ -136,12 +136,29 @@ class InferenceEngine:
     ) -> str | list[str] | GenerationStream:
         """Generate continuations. A single prompt gives a str (or a stream of str deltas); a list gives a list
         (or a stream of ``(index, delta)``). Requests are registered now, not when the stream is first read."""
-        single = isinstance(prompts, str)
         texts = self._validate_prompts(prompts)
+        token_ids = [list(self.tokenizer(text)["input_ids"]) for text in texts]
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
-        requests = [self._make_request(i, text, params, cache_salt) for i, text in enumerate(texts)]
+        return self._submit(token_ids, params, cache_salt, stream, single=isinstance(prompts, str))
+
+    def generate_ids(
+        self, token_ids: list[list[int]], *, stream: bool = False, cache_salt: str | None = None, **sampling: Any
+    ) -> list[str] | GenerationStream:
+        """Like ``generate`` for already tokenized prompts (used as given: no BOS is added)."""
+        if not isinstance(token_ids, list) or not token_ids:
+            raise ValueError("token_ids must be a non-empty list of token id lists")
+        vocab = len(self.tokenizer)
+        for i, ids in enumerate(token_ids):
+            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+                raise ValueError(f"prompt {i} must be a non-empty list of token ids in [0, {vocab})")
+        return self._submit([list(ids) for ids in token_ids], SamplingParams(**sampling), cache_salt, stream)
+
+    def _submit(
+        self, token_ids: list[list[int]], params: SamplingParams, salt: str | None, stream: bool, single: bool = False
+    ) -> str | list[str] | GenerationStream:
+        if salt is not None and not isinstance(salt, str):
+            raise TypeError(f"cache_salt must be a str or None, got {type(salt).__name__}")
+        requests = [self._make_request(i, ids, params, salt) for i, ids in enumerate(token_ids)]
         items: queue.SimpleQueue = queue.SimpleQueue()
         with self._lock:
             self._check_alive()
@@ -275,8 +292,7 @@ class InferenceEngine:
                 raise ValueError(f"prompt {i} is not valid UTF-8 text ({exc.reason} at {exc.start})") from None
         return list(prompts)
 
-    def _make_request(self, index: int, text: str, params: SamplingParams, salt: str | None) -> Request:
-        ids = list(self.tokenizer(text)["input_ids"])
+    def _make_request(self, index: int, ids: list[int], params: SamplingParams, salt: str | None) -> Request:
         total = len(ids) + params.max_tokens
         capacity = self.pool.n_pages * self.pool.page_size
         if total > self.max_seq_len:
@@ -343,7 +359,8 @@ class InferenceEngine:
             log.exception("astrai step failed")
             with self._lock:
                 self.cache.end_step()
-                victims = [req for req, _ in work] or list(self.scheduler.running)
+                # a scheduling failure leaves no trustworthy bookkeeping: fail everything it was juggling
+                victims = [req for req, _ in work] or [*self.scheduler.running, *self.scheduler.waiting]
                 self._fail(victims, RequestFailedError(f"the step computing this request failed: {exc!r}"))
 
     def _finish_step(self, work: list[tuple[Request, int]], tokens: dict[Request, int]) -> None:

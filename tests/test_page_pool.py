@@ -1,0 +1,146 @@
+"""The page pool on its own: states, LRU order, the chained hash, and a stateful property test."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from astrai.page_pool import PagePool, PageState, page_key
+
+
+def test_equal_page_after_different_prefix_gets_a_different_key():
+    shared_page = [7, 8, 9, 10]
+    key_a = page_key(page_key(None, [1, 2, 3, 4]), shared_page)
+    key_b = page_key(page_key(None, [5, 6, 7, 8]), shared_page)
+    assert key_a != key_b
+    assert page_key(page_key(None, [1, 2, 3, 4]), shared_page) == key_a
+
+
+def test_salt_separates_namespaces():
+    assert page_key(None, [1, 2], salt="alice") != page_key(None, [1, 2], salt="bob")
+    assert page_key(None, [1, 2], salt="alice") == page_key(None, [1, 2], salt="alice")
+
+
+def test_lookup_compares_tokens_so_a_collision_serves_nothing():
+    pool = PagePool(4, 2)
+    page = pool.allocate()
+    assert pool.register(page, b"key", [1, 2], 0)
+    assert pool.lookup(b"key", [1, 2]) == page
+    assert pool.lookup(b"key", [1, 3]) is None  # same key, other tokens: a forced collision
+
+
+def test_release_is_tail_first_and_eviction_is_lru():
+    pool = PagePool(3, 2)
+    pages = [pool.allocate() for _ in range(3)]
+    for i, p in enumerate(pages):
+        pool.register(p, bytes([i]), [i, i], i)
+    pool.release(pages)
+    assert list(pool.lru) == pages[::-1]  # the tail goes first into the LRU, so it is evicted first
+    pool.acquire(pages[2])  # a hit takes it out of the LRU ("touch")
+    assert pool.state(pages[2]) is PageState.IN_USE and pages[2] not in pool.lru
+    assert pool.allocate() == pages[1]  # no free page left: evict the least recently used
+    assert pool.stats.evictions == 1
+    assert pool.lookup(bytes([1]), [1, 1]) is None
+
+
+def test_unregistered_pages_go_straight_back_to_free():
+    pool = PagePool(2, 2)
+    page = pool.allocate()
+    pool.release([page])
+    assert pool.state(page) is PageState.FREE and pool.cached_pages == 0
+
+
+def test_in_use_pages_are_never_evicted():
+    pool = PagePool(2, 2)
+    a, b = pool.allocate(), pool.allocate()
+    pool.register(a, b"a", [1, 1], 0)
+    with pytest.raises(MemoryError):
+        pool.allocate()
+    assert pool.ref_count[a] == pool.ref_count[b] == 1
+
+
+def test_clear_frees_cached_pages_and_unindexes_in_use_ones():
+    pool = PagePool(3, 1)
+    a, b = pool.allocate(), pool.allocate()
+    pool.register(a, b"a", [1], 0)
+    pool.register(b, b"b", [2], 0)
+    pool.release([a])
+    assert pool.clear() == 1
+    assert pool.cached_pages == 0 and pool.index == {}
+    pool.release([b])
+    assert pool.free_pages == 3
+    pool.check_invariants()
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Random alloc / share / register / release / evict / clear sequences against a model of live refs."""
+
+    def __init__(self):
+        super().__init__()
+        self.pool = PagePool(6, 2)
+        self.refs: list[int] = []  # every reference a caller holds, one entry per acquire/allocate
+        self.evictions = 0
+
+    @precondition(lambda self: self.pool.available > 0)
+    @rule()
+    def allocate(self):
+        evicting = self.pool.free_pages == 0
+        victim = next(iter(self.pool.lru)) if evicting else None
+        page = self.pool.allocate()
+        if evicting:
+            self.evictions += 1
+            assert page == victim, "eviction must take the least recently used page"
+        assert page not in self.refs, "an in-use page was handed out again"
+        self.refs.append(page)
+
+    @rule(data=st.data())
+    def share(self, data):
+        indexed = sorted(self.pool.index.items())
+        if not indexed:
+            return
+        key, page = data.draw(st.sampled_from(indexed))
+        assert self.pool.lookup(key, self.pool.tokens[page]) == page
+        self.pool.acquire(page)
+        self.refs.append(page)
+
+    @rule(data=st.data(), tokens=st.lists(st.integers(0, 3), min_size=2, max_size=2))
+    def register(self, data, tokens):
+        if not self.refs:
+            return
+        page = data.draw(st.sampled_from(self.refs))
+        key = page_key(None, tokens)
+        before = key in self.pool.index
+        stored = self.pool.register(page, key, tokens, 0)
+        assert stored == (not before and self.pool.key[page] == key)
+
+    @rule(data=st.data())
+    def release(self, data):
+        if not self.refs:
+            return
+        n = data.draw(st.integers(1, len(self.refs)))
+        taken = [self.refs.pop(data.draw(st.integers(0, len(self.refs) - 1))) for _ in range(n)]
+        self.pool.release(taken)
+
+    @rule()
+    def clear(self):
+        self.pool.clear()
+        assert self.pool.cached_pages == 0 and not self.pool.index
+
+    @invariant()
+    def consistent(self):
+        live: dict[int, int] = {}
+        for page in self.refs:
+            live[page] = live.get(page, 0) + 1
+        self.pool.check_invariants(live)
+        assert self.pool.stats.evictions == self.evictions
+        assert self.pool.used_pages == len(live)
+
+
+PoolMachine.TestCase.settings = settings(
+    max_examples=int(os.environ.get("ASTRAI_FUZZ_EXAMPLES", "300")), stateful_step_count=40, deadline=None
+)
+test_pool_state_machine = PoolMachine.TestCase
