@@ -100,6 +100,8 @@ class InferenceEngine:
         self._closed = False
         self._loop_error: BaseException | None = None
         self.steps = 0
+        # (tokens computed, requests, seconds) of recent steps: forward plus sampling, for benchmarks and the UI
+        self.step_log: deque[tuple[int, int, float]] = deque(maxlen=4096)
         self._thread = threading.Thread(target=self._loop, name="astrai-engine", daemon=True)
         self._thread.start()
 
@@ -349,11 +351,13 @@ class InferenceEngine:
                 with self._lock:
                     self._lock.wait(0.01)
                 return
+            started = time.perf_counter()
             logits = self.runner.step(work)
             sampled = [req for req, count in work if req.num_computed + count == len(req.token_ids)]
             tokens = sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
             with self._lock:
                 self.steps += 1
+                self.step_log.append((sum(c for _, c in work), len(work), time.perf_counter() - started))
                 self._finish_step(work, dict(zip(sampled, tokens, strict=True)))
         except Exception as exc:
             log.exception("astrai step failed")

@@ -1,0 +1,327 @@
+"""Benchmark: ``python -m astrai.bench`` runs the engine (prefix caching on and off) against transformers'
+``generate`` on a padded batch and transformers' continuous batching, interleaved in one process.
+
+It prints a markdown table per model. Each method gets its own copy of the weights, because every method
+switches the model's attention implementation to its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    ContinuousBatchingConfig,
+    DynamicCache,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
+
+from astrai import InferenceEngine
+
+EMBEDDED = Path(__file__).resolve().parents[1] / "assets" / "models" / "tinystories-llama"
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    new_tokens: int
+
+
+@dataclass
+class Result:
+    method: str
+    wall: float
+    generated: int
+    ttft: float
+    prompt_computed: int
+    decode_ms: float | None
+    peak_rss_mb: float
+    outputs: list[list[int]]
+
+    @property
+    def tok_s(self) -> float:
+        return self.generated / self.wall
+
+
+class RssSampler:
+    """Peak resident memory while a method runs, sampled from /proc (ru_maxrss never goes back down)."""
+
+    def __enter__(self) -> RssSampler:
+        self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, self._rss())
+
+    @staticmethod
+    def _rss() -> float:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return 0.0
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+# ----- models and workloads -------------------------------------------------------------------------------
+def smollm_shaped() -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """A random-initialized Llama with SmolLM2-135M's shape, and a word-level tokenizer over its vocab."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=1536,
+        tie_word_embeddings=True,
+        max_position_embeddings=2048,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    model = LlamaForCausalLM(config).eval()
+    vocab = {f"t{i}": i for i in range(config.vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t1"))
+    hf_tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="t0", pad_token="t0")
+    return model, hf_tokenizer
+
+
+def embedded() -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    model = AutoModelForCausalLM.from_pretrained(EMBEDDED, use_safetensors=True).eval()
+    return model, AutoTokenizer.from_pretrained(EMBEDDED)
+
+
+def make_workloads(vocab: int, seed: int = 0) -> list[Workload]:
+    rng = random.Random(seed)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(1, vocab) for _ in range(n)]
+
+    prefix = ids(256)
+    shared = [prefix + ids(32) for _ in range(8)]
+    lengths = [16 + (300 - 16) * i // 7 for i in range(8)]
+    return [
+        Workload("W1", shared, 64),
+        Workload("W2", [ids(n) for n in lengths], 64),
+        Workload("W1-16", shared, 16),
+    ]
+
+
+# ----- methods --------------------------------------------------------------------------------------------
+def run_engine(engine: InferenceEngine, work: Workload, name: str) -> Result:
+    engine.clear()  # every run starts cold; hits come only from sharing within the batch
+    steps_before = len(engine.step_log)
+    with RssSampler() as rss:
+        started = time.perf_counter()
+        stream = engine.generate_ids(work.prompts, max_tokens=work.new_tokens, stream=True)
+        for _ in stream:
+            pass
+        wall = time.perf_counter() - started
+    infos = engine.request_info(stream.request_ids)
+    steps = list(engine.step_log)[steps_before:]
+    decode = [s for tokens, reqs, s in steps if tokens == reqs and reqs == len(work.prompts)]
+    return Result(
+        method=name,
+        wall=wall,
+        generated=sum(i["generated_tokens"] for i in infos),
+        ttft=statistics.median(i["ttft"] for i in infos),
+        prompt_computed=sum(i["prompt_tokens"] - (i["cached_tokens"] or 0) for i in infos),
+        decode_ms=statistics.median(decode) * 1000 if decode else None,
+        peak_rss_mb=rss.peak,
+        outputs=[i["output_ids"] for i in infos],
+    )
+
+
+class _StepClock(LogitsProcessor):
+    """Time stamps each generate step (the processor runs once per step, after the forward)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def run_hf_generate(model: PreTrainedModel, work: Workload, eos: int) -> Result:
+    longest = max(len(p) for p in work.prompts)
+    pad = eos
+    input_ids = torch.tensor([[pad] * (longest - len(p)) + p for p in work.prompts])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in work.prompts])
+    clock = _StepClock()
+    with RssSampler() as rss, torch.inference_mode():
+        started = time.perf_counter()
+        out = model.generate(
+            input_ids,
+            attention_mask=mask,
+            max_new_tokens=work.new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+            eos_token_id=eos,
+            logits_processor=LogitsProcessorList([clock]),
+        )
+        wall = time.perf_counter() - started
+    outputs = [_until_eos(row[longest:].tolist(), eos) for row in out]
+    steps = [b - a for a, b in zip(clock.times, clock.times[1:], strict=False)]
+    return Result(
+        method="transformers generate",
+        wall=wall,
+        generated=sum(len(o) for o in outputs),
+        ttft=clock.times[0] - started,
+        prompt_computed=input_ids.numel(),
+        decode_ms=statistics.median(steps) * 1000 if steps else None,
+        peak_rss_mb=rss.peak,
+        outputs=outputs,
+    )
+
+
+def run_hf_continuous(manager, work: Workload) -> Result:
+    with RssSampler() as rss:
+        started = time.perf_counter()
+        ids = manager.add_requests(work.prompts, max_new_tokens=work.new_tokens, record_timestamps=True)
+        results = {}
+        deadline = time.monotonic() + 1800
+        while len(results) < len(ids) and time.monotonic() < deadline:
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+        wall = time.perf_counter() - started
+    ordered = [results[i] for i in ids]
+    gaps = [b - a for r in ordered for a, b in zip(r.timestamps, r.timestamps[1:], strict=False)]
+    return Result(
+        method="transformers continuous batching",
+        wall=wall,
+        generated=sum(len(r.generated_tokens) for r in ordered),
+        ttft=statistics.median(r.timestamps[0] - started for r in ordered),
+        prompt_computed=sum(len(p) for p in work.prompts),
+        decode_ms=statistics.median(gaps) * 1000,
+        peak_rss_mb=rss.peak,
+        outputs=[list(r.generated_tokens) for r in ordered],
+    )
+
+
+def _until_eos(ids: list[int], eos: int) -> list[int]:
+    return ids[: ids.index(eos) + 1] if eos in ids else ids
+
+
+def raw_forward_floor(model: PreTrainedModel, vocab: int, context: int = 300, batch: int = 8, reps: int = 8) -> float:
+    """Median ms of one batched single-token decode through a DynamicCache at ``context``: the floor."""
+    gen = torch.Generator().manual_seed(0)
+    times = []
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=torch.randint(1, vocab, (batch, context), generator=gen), cache=cache, use_cache=True)
+        for _ in range(reps):
+            token = torch.randint(1, vocab, (batch, 1), generator=gen)
+            started = time.perf_counter()
+            model(input_ids=token, cache=cache, use_cache=True)
+            times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1000
+
+
+# ----- the report -----------------------------------------------------------------------------------------
+def table(title: str, rows: list[tuple[str, Result]], reference: dict[str, list[list[int]]], floor: float) -> str:
+    lines = [
+        f"### {title}",
+        "",
+        f"Raw forward floor (8 single-token decodes at context 300, DynamicCache): {floor:.1f} ms",
+        "",
+        "| workload | method | wall s | tok/s | TTFT s | prompt tokens computed | decode step ms | "
+        "step / floor | peak RSS MB | vs best transformers | greedy = generate |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for workload in dict.fromkeys(w for w, _ in rows):
+        results = [r for w, r in rows if w == workload]
+        best = max(r.tok_s for r in results if r.method.startswith("transformers"))
+        for r in results:
+            same = sum(a == b for a, b in zip(r.outputs, reference[workload], strict=True))
+            decode = f"{r.decode_ms:.1f}" if r.decode_ms else "-"
+            ratio = f"{r.decode_ms / floor:.2f}" if r.decode_ms else "-"
+            lines.append(
+                f"| {workload} | {r.method} | {r.wall:.2f} | {r.tok_s:.1f} | {r.ttft:.2f} | {r.prompt_computed} | "
+                f"{decode} | {ratio} | {r.peak_rss_mb:.0f} | {r.tok_s / best:.2f}x | {same}/{len(r.outputs)} |"
+            )
+    return "\n".join(lines)
+
+
+def bench_model(title: str, load: Callable, names: list[str], rounds: int, dtype: str) -> str:
+    base, tokenizer = load()
+    eos = tokenizer.eos_token_id
+    vocab = base.config.vocab_size
+    workloads = [w for w in make_workloads(vocab) if w.name in names]
+    floor = raw_forward_floor(base, vocab)
+    engine_model, cb_model = copy.deepcopy(base), copy.deepcopy(base)
+    options = dict(page_size=16, n_pages=1024, max_batch_size=8, max_batched_tokens=512, dtype=dtype)
+    cached = InferenceEngine(engine_model, tokenizer, prefix_caching=True, **options)
+    uncached = InferenceEngine(engine_model, tokenizer, prefix_caching=False, **options)
+    manager = cb_model.init_continuous_batching(
+        generation_config=GenerationConfig(do_sample=False, eos_token_id=eos, pad_token_id=eos),
+        continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=256, num_blocks=64, page_size=256),
+    )
+    manager.start()
+    rows: list[tuple[str, Result]] = []
+    reference: dict[str, list[list[int]]] = {}
+    try:
+        for _ in range(rounds):
+            for work in workloads:  # interleaved: every method runs each workload in turn
+                hf = run_hf_generate(base, work, eos)
+                reference[work.name] = hf.outputs
+                rows.append((work.name, hf))
+                rows.append((work.name, run_hf_continuous(manager, work)))
+                rows.append((work.name, run_engine(cached, work, "astrai, prefix caching on")))
+                rows.append((work.name, run_engine(uncached, work, "astrai, prefix caching off")))
+                print(table(title, rows[-4:], reference, floor).splitlines()[-4:], flush=True)
+    finally:
+        manager.stop(block=True, timeout=30)
+        cached.shutdown()
+        uncached.shutdown()
+    return table(title, rows, reference, floor)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--models", default="smollm,embedded", help="comma list of: smollm, embedded")
+    parser.add_argument("--workloads", default="W1,W2,W1-16")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    loaders = {
+        "smollm": ("SmolLM2-135M-shaped Llama (random weights)", smollm_shaped),
+        "embedded": ("embedded tinystories-llama", embedded),
+    }
+    names = args.workloads.split(",")
+    print(f"torch {torch.__version__}, {args.threads} threads, dtype {args.dtype}\n")
+    for key in args.models.split(","):
+        title, load = loaders[key]
+        print(bench_model(f"{title}, {args.dtype}", load, names, args.rounds, args.dtype), "\n", flush=True)
+
+
+if __name__ == "__main__":
+    main()
