@@ -99,7 +99,7 @@ class KVCacheManager:
         full = req.num_computed // self.page_size
         if self.prefix_caching:
             for i, key in enumerate(self._keys(req, full)[req.indexed_pages :], start=req.indexed_pages):
-                self.pool.register(req.pages[i], key, self._page_tokens(req, i), i)
+                self.pool.register(req.pages[i], key, self._page_tokens(req, i), i, request=req.id)
         req.indexed_pages = max(req.indexed_pages, full)
 
     def end_step(self) -> None:

@@ -138,8 +138,10 @@ class PagePool:
                     self.free.append(page)
 
     # ----- the prefix index -----------------------------------------------------------------------------
-    def register(self, page: int, key: PageKey, tokens: Sequence[int], chain_pos: int) -> bool:
-        """Index a page whose KV was just written. Returns False if that key is already served by another page."""
+    def register(
+        self, page: int, key: PageKey, tokens: Sequence[int], chain_pos: int, request: int | None = None
+    ) -> bool:
+        """Index a page whose KV was just written (by ``request``, for the event). False if the key is taken."""
         if self.ref_count[page] <= 0:
             raise RuntimeError(f"only an in-use page can be registered, page {page} is not")
         if self.key[page] is not None or key in self.index:
@@ -149,7 +151,7 @@ class PagePool:
         self.tokens[page] = tuple(tokens)
         self.chain_pos[page] = chain_pos
         self.stats.stored += 1
-        self._on_event("page_stored", {"page": page, "chain_pos": chain_pos})
+        self._on_event("page_stored", {"page": page, "chain_pos": chain_pos, "request": request})
         return True
 
     def clear(self) -> int:

@@ -1,0 +1,79 @@
+"""One-click lessons: each fills the panels and settings and says in a sentence what to watch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from astrai.playground.service import EngineSettings
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    explanation: str
+    prompts: list[str]
+    prefix: str = ""
+    max_tokens: int = 64
+    settings: EngineSettings = field(default_factory=EngineSettings)
+
+
+SCENARIOS = [
+    Scenario(
+        name="Shared system prompt",
+        explanation="All panels start with the same prefix. Its full pages are computed once, by the first panel, "
+        "and the others hit them in the same run: watch the hit badges and the shared (x-marked) pages in the map.",
+        prefix="Once upon a time, in a small village by the sea, there lived a kind old fisherman named Tom. "
+        "Every morning he took his little boat out on the water, and every evening he came home with fish "
+        "for his friends. ",
+        prompts=[
+            "One day, he found a",
+            "One day, his cat",
+            "One day, a big storm",
+            "One day, a little girl named Lily",
+        ],
+    ),
+    Scenario(
+        name="Distinct prompts (no hits)",
+        explanation="Nothing is shared, so every prompt token is computed: the hit rate stays at 0 and each panel "
+        "owns its own pages.",
+        prompts=[
+            "The little dog ran to the park",
+            "Lily wanted to bake a cake",
+            "Ben and Mia found a box",
+            "The sun was hot and the bird",
+        ],
+    ),
+    Scenario(
+        name="Eviction pressure (small pool)",
+        explanation="A 40-page pool cannot hold six long stories. Run twice: the LRU fills with cached pages, "
+        "then drains as evictions (red flashes) make room, and newer requests may be preempted.",
+        prompts=[
+            "Once upon a time there was a tiny frog",
+            "Tom had a red ball and",
+            "The princess looked at the moon",
+            "Sam the bear was hungry, so",
+            "In the garden, a bee",
+            "Max and his mom went to the shop",
+        ],
+        max_tokens=160,
+        settings=EngineSettings(page_size=16, n_pages=40, max_batch_size=8),
+    ),
+    Scenario(
+        name="Same page, different prefix",
+        explanation="Both prompts end with the same long sentence, starting at the same offset, so their later pages "
+        "hold equal tokens. They still do not hit: a page's key chains the hash of every page before it.",
+        prompts=[
+            "Lily had a red ball. She liked to play in the park with her friends every day after school.",
+            "Tom had a big kite. She liked to play in the park with her friends every day after school.",
+        ],
+    ),
+    Scenario(
+        name="Follow-up turn",
+        explanation="Run once, then press 'Follow-up turn': each prompt becomes prompt + answer + a new line. "
+        "Run again and watch the pages filled by the answer hit, not just the prompt's.",
+        prompts=["Once upon a time there was a little cat named Kitty", "Ben found a shiny stone in the river"],
+        max_tokens=48,
+    ),
+]
+SCENARIO_BY_NAME = {s.name: s for s in SCENARIOS}
+FOLLOW_UP = " Then"
