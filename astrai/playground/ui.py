@@ -234,6 +234,10 @@ class Playground:
         )
 
     # ----- buttons ----------------------------------------------------------------------------------------
+    def cache_stats(self) -> dict:
+        """The shared engine's counters, for API clients (load tests, dashboards)."""
+        return self.service.current().cache_stats()
+
     def clear_cache(self) -> None:
         freed = self.service.current().clear()
         gr.Info(f"Prefix cache cleared: {freed} cached pages are free again.")
@@ -381,6 +385,7 @@ def build_demo(service: EngineService) -> gr.Blocks:
             apply_btn = gr.Button("Apply settings / load model", elem_id="apply_btn")
             engine_status = gr.Markdown(elem_id="engine_status")
         view_state = gr.State({})
+        gr.api(app.cache_stats, api_name="cache_stats", concurrency_limit=8)
 
         n_panels.change(
             lambda k: [gr.Column(visible=i < int(k)) for i in range(MAX_PANELS)],

@@ -1,0 +1,172 @@
+"""The playground end to end: app.py served on loopback, driven by gradio_client and by headless Chromium."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from astrai import InferenceEngine
+from astrai.playground.service import EMBEDDED_MODEL
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "test-artifacts"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+PREFIX = "Once upon a time, in a small village by the sea, there lived a kind old fisherman named Tom. "
+PANELS = ["One day, he found a", "One day, his cat", "One day, a big storm"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server_url():
+    port = free_port()
+    env = {
+        **os.environ,
+        "GRADIO_SERVER_NAME": "127.0.0.1",
+        "GRADIO_SERVER_PORT": str(port),
+        "GRADIO_ANALYTICS_ENABLED": "False",
+        "HF_HUB_OFFLINE": "1",
+    }
+    ARTIFACTS.mkdir(exist_ok=True)
+    log = open(ARTIFACTS / "app.log", "w")  # noqa: SIM115 - it lives as long as the server
+    proc = subprocess.Popen([sys.executable, str(ROOT / "app.py")], env=env, stdout=log, stderr=subprocess.STDOUT)
+    url, deadline = f"http://127.0.0.1:{port}/", time.monotonic() + 120
+    while True:
+        try:
+            urllib.request.urlopen(url + "config", timeout=2)
+            break
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError((ARTIFACTS / "app.log").read_text()) from None
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise TimeoutError("app.py did not start") from None
+            time.sleep(0.3)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=20)
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def client(server_url):
+    from gradio_client import Client
+
+    return Client(server_url, verbose=False)
+
+
+def run_args(panels: list[str], max_tokens: int) -> dict:
+    prompts = panels + [""] * (6 - len(panels))
+    return dict(
+        n_panels=len(panels),
+        shared_prefix=PREFIX,
+        **{f"prompt_{i + 1}": p for i, p in enumerate(prompts)},
+        max_tokens=max_tokens,
+        temperature=0,
+        top_p=1,
+        top_k=0,
+        seed=0,
+        isolate_cache=False,
+    )
+
+
+def wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+def test_run_streams_every_panel_and_equals_the_engine(client):
+    job = client.submit(**run_args(PANELS, 24), api_name="/run")
+    updates = list(job)
+    assert len(updates) > 2, "the run should stream several updates"
+    final = updates[-1]
+    for earlier in updates:
+        assert all(final[i].startswith(earlier[i]) for i in range(len(PANELS))), "streamed text only grows"
+    with InferenceEngine.from_pretrained(EMBEDDED_MODEL, page_size=16, n_pages=256) as engine:
+        expected = engine.generate([PREFIX + p for p in PANELS], max_tokens=24)
+    assert list(final[: len(PANELS)]) == expected
+    assert all(final[i] == "" for i in range(len(PANELS), 6))
+    badges = final[6 : 6 + len(PANELS)]
+    cached = [int(re.search(r"\*\*(\d+)\*\* cached", b).group(1)) for b in badges]
+    assert cached[0] == 0 and min(cached[1:]) > 0, badges  # panels after the first share the prefix pages
+
+
+def test_stop_cancels_and_releases_pages(client):
+    job = client.submit(**run_args(PANELS, 256), api_name="/run")
+
+    def streaming() -> bool:
+        outputs = job.outputs()
+        return bool(outputs) and any(outputs[-1][: len(PANELS)])
+
+    assert wait_for(streaming, timeout=30)
+    assert client.predict(api_name="/cache_stats")["used_pages"] > 0
+    job.cancel()
+    assert wait_for(lambda: client.predict(api_name="/cache_stats")["used_pages"] == 0, timeout=10)
+
+
+def test_bad_input_gets_a_clear_message(client):
+    from gradio_client.exceptions import AppError
+
+    args = run_args(["", "x"], 8) | {"shared_prefix": ""}
+    with pytest.raises(AppError, match="Panel 1 has an empty prompt"):
+        client.predict(**args, api_name="/run")
+    assert client.predict(api_name="/cache_stats")["used_pages"] == 0
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not shutil.which(CHROMIUM), reason="Debian chromium is not installed (.ci/run installs it)")
+def test_browser_shared_prefix_scenario(server_url):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        context = browser.new_context(viewport={"width": 1400, "height": 1000})
+        context.route(re.compile(r"^https?://(?!127\.0\.0\.1)"), lambda route: route.abort())
+        page = context.new_page()
+        page.goto(server_url)
+        page.wait_for_selector("#run_btn", state="visible", timeout=60000)
+        page.locator("#scenario input").click()
+        page.get_by_role("option", name="Shared system prompt").click()
+        page.wait_for_function("document.querySelector('#prompt_3 textarea').value.length > 0", timeout=30000)
+        page.click("#run_btn")
+        page.wait_for_function(
+            "[0,1,2,3].every(i => document.querySelector(`#out_${i} textarea`).value.length > 10)", timeout=60000
+        )
+        page.wait_for_selector("#plot_0 .js-plotly-plot", timeout=30000)
+        page.wait_for_selector("#plot_3 .js-plotly-plot .heatmaplayer", state="attached", timeout=30000)
+        page.wait_for_function(
+            "/\\*?\\*?[1-9]\\d*\\*?\\*? cached/.test(document.querySelector('#badge_1').innerText)", timeout=30000
+        )
+        badge = page.locator("#badge_1").inner_text()
+        assert int(re.search(r"(\d+) cached", badge).group(1)) > 0
+        page.click("#stop_btn")
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "playground.png"), full_page=True)
+        browser.close()
