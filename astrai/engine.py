@@ -64,7 +64,6 @@ class InferenceEngine:
         ):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        check_supported(model.config)
         torch_dtype = SUPPORTED_DTYPES[dtype]
         if n_pages is None:
             budget = (memory_budget_mb or 256) * 2**20

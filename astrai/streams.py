@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import queue
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -68,4 +69,5 @@ class GenerationStream:
         self.close()
 
     def __del__(self) -> None:
-        self.close()
+        with contextlib.suppress(Exception):  # interpreter shutdown may have torn the engine down already
+            self.close()

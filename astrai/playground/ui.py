@@ -83,7 +83,7 @@ def token_highlights(engine: InferenceEngine, info: dict[str, Any]) -> list[tupl
     return pieces
 
 
-def request_table(infos: list[dict[str, Any]], prompts: list[str]) -> pd.DataFrame:
+def request_table(infos: list[dict[str, Any] | None], prompts: list[str]) -> pd.DataFrame:
     rows = [
         [
             i + 1,
@@ -97,6 +97,7 @@ def request_table(infos: list[dict[str, Any]], prompts: list[str]) -> pd.DataFra
             info["preemptions"],
         ]
         for i, info in enumerate(infos)
+        if info is not None
     ]
     return pd.DataFrame(rows, columns=TABLE_COLUMNS)
 
@@ -168,12 +169,14 @@ class Playground:
         highlighted = [False] * n
 
         def frame() -> list[Any]:
-            infos = engine.request_info(stream.request_ids)
+            by_id = {info["id"]: info for info in engine.request_info(stream.request_ids)}
+            infos = [by_id.get(rid) for rid in stream.request_ids]
             highlights: list[Any] = []
             for i in range(MAX_PANELS):
-                if i < n and not highlighted[i] and infos[i]["cached_tokens"] is not None:
+                info = infos[i] if i < n else None
+                if info is not None and not highlighted[i] and info["cached_tokens"] is not None:
                     highlighted[i] = True
-                    highlights.append(token_highlights(engine, infos[i]))
+                    highlights.append(token_highlights(engine, info))
                 else:
                     highlights.append(gr.skip() if i < n else None)
             outs = [answers[i] if i < n else "" for i in range(MAX_PANELS)]
