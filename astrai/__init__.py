@@ -1,6 +1,6 @@
 """astrai: a compact vLLM-style inference engine with a paged KV cache and a persistent prefix cache."""
 
-from astrai.engine import EngineClosedError, InferenceEngine, RequestFailedError
+from astrai.engine import EngineClosedError, InferenceEngine, ModelLoadError, RequestFailedError
 from astrai.sampling import SamplingParams
 
-__all__ = ["EngineClosedError", "InferenceEngine", "RequestFailedError", "SamplingParams"]
+__all__ = ["EngineClosedError", "InferenceEngine", "ModelLoadError", "RequestFailedError", "SamplingParams"]

@@ -32,6 +32,10 @@ class EngineClosedError(RuntimeError):
     """The engine was shut down (or its loop died) before the request could finish."""
 
 
+class ModelLoadError(ValueError):
+    """A checkpoint could not be loaded: missing, unsupported, pickle-only, or asking for remote code."""
+
+
 class RequestFailedError(RuntimeError):
     """A step that computed this request raised; the message names the cause."""
 
@@ -108,18 +112,21 @@ class InferenceEngine:
     @classmethod
     def from_pretrained(cls, name_or_path: str, dtype: str = "float32", **options: Any) -> InferenceEngine:
         """Load a safetensors checkpoint with transformers (never pickle, never remote code)."""
-        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=False)
-        check_supported(config)
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(SUPPORTED_DTYPES)}, got {dtype!r}")
-        model = AutoModelForCausalLM.from_pretrained(
-            name_or_path,
-            config=config,
-            use_safetensors=True,
-            trust_remote_code=False,
-            dtype=SUPPORTED_DTYPES[dtype],
-        )
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=False)
+        try:
+            config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=False)
+            check_supported(config)
+            model = AutoModelForCausalLM.from_pretrained(
+                name_or_path,
+                config=config,
+                use_safetensors=True,
+                trust_remote_code=False,
+                dtype=SUPPORTED_DTYPES[dtype],
+            )
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=False)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelLoadError(f"cannot load {name_or_path!r}: {exc}") from exc
         return cls(model, tokenizer, dtype=dtype, **options)
 
     # ----- the public API -------------------------------------------------------------------------------

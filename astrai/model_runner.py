@@ -20,7 +20,11 @@ def check_supported(config: PretrainedConfig) -> None:
     """Refuse, at load, an architecture whose attention the paged hook would compute wrongly."""
     name = type(config).__name__
     layer_types = getattr(config, "layer_types", None) or []
-    if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
+    if hasattr(config, "use_sliding_window"):  # Qwen-style: a window size may be set but switched off
+        sliding = bool(config.use_sliding_window)
+    else:
+        sliding = getattr(config, "sliding_window", None) is not None
+    if sliding or any(t != "full_attention" for t in layer_types):
         raise ValueError(f"{name}: sliding-window attention is not supported by the paged attention hook")
     if getattr(config, "attn_logit_softcapping", None):
         raise ValueError(f"{name}: attention logit soft-capping is not supported by the paged attention hook")
