@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from tiny_models import FAMILIES, make_model, make_tokenizer, reference_generate
 
 from astrai import InferenceEngine
+from astrai.testing import FAMILIES, make_model, make_tokenizer, reference_generate
 
 PAGE = 4
 NEW_TOKENS = 16

@@ -7,9 +7,9 @@ import threading
 import time
 
 import pytest
-from tiny_models import make_model, make_tokenizer
 
 from astrai import EngineClosedError, InferenceEngine, RequestFailedError
+from astrai.testing import make_model, make_tokenizer
 
 PROMPT = "Once upon a time there was a little cat."
 

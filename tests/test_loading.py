@@ -6,10 +6,10 @@ import json
 
 import pytest
 import torch
-from tiny_models import make_model, make_tokenizer
 from transformers import MistralConfig, MistralForCausalLM
 
 from astrai import InferenceEngine, ModelLoadError
+from astrai.testing import make_model, make_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from tiny_models import make_model, make_tokenizer
 
 from astrai import InferenceEngine
 from astrai.kv_cache_manager import KVCacheManager
 from astrai.page_pool import PagePool
 from astrai.request import Request
 from astrai.sampling import SamplingParams
+from astrai.testing import make_model, make_tokenizer
 
 PAGE = 4
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from tiny_models import make_model, make_tokenizer
 
 from astrai import InferenceEngine
 from astrai.detokenizer import REPLACEMENT, IncrementalDetokenizer
+from astrai.testing import make_model, make_tokenizer
 
 PROMPTS = ["Once upon a time there was a little cat.", "The dog", "小猫在花园里玩。 😀", "Lily and Tom"]
 

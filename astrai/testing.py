@@ -1,4 +1,7 @@
-"""Tiny random-initialized checkpoints of the supported families, and a byte-level BPE tokenizer, made offline."""
+"""Tiny random-initialized checkpoints of the supported families and a byte-level BPE tokenizer, made offline.
+
+Shared by the tests, the soak and the fuzz runs: they need real transformers models without a download.
+"""
 
 from __future__ import annotations
 

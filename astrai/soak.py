@@ -1,0 +1,223 @@
+"""Soak with faults: ``python -m astrai.soak --requests 2000``.
+
+Many client threads send random requests to one engine with a small pool (so eviction and preemption happen all
+the time): random lengths and shared prefixes, random sampling, random early cancellation, and exceptions
+injected into the model's forward on random steps. Afterwards every request must have finished, been cancelled,
+or failed with an error naming the cause; no wait may exceed its bound; no page may leak; the cache invariants
+must hold; and every greedy request that finished must equal transformers' own greedy output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import random
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from astrai.engine import InferenceEngine, RequestFailedError
+from astrai.testing import make_model, make_tokenizer, reference_generate
+
+WORDS = [
+    "the",
+    "cat",
+    "dog",
+    "sat",
+    "ran",
+    "on",
+    "a",
+    "big",
+    "red",
+    "ball",
+    "park",
+    "sun",
+    "tree",
+    "Lily",
+    "Tom",
+    "happy",
+    "day",
+    "played",
+    "with",
+    "小猫",
+    "😀",
+]
+PREFIXES = ["Once upon a time there was a little cat. ", "Lily and Tom went to the park. They played ", ""]
+MAX_NEW = 24
+WAIT_BOUND_S = 120.0  # no request may take longer than this, however loaded the engine is
+
+
+@dataclass
+class SoakReport:
+    requests: int = 0
+    outcomes: Counter = field(default_factory=Counter)
+    unexplained_errors: list[str] = field(default_factory=list)
+    greedy_checked: int = 0
+    greedy_mismatches: int = 0
+    hung: int = 0
+    longest_wait_s: float = 0.0
+    used_pages_after: int = -1
+    evictions: int = 0
+    preemptions: int = 0
+    faults_injected: int = 0
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return (
+            not self.unexplained_errors
+            and self.greedy_mismatches == 0
+            and self.hung == 0
+            and self.used_pages_after == 0
+        )
+
+
+class FaultyForward:
+    """Wraps a model's forward and raises on a random share of calls."""
+
+    def __init__(self, model: torch.nn.Module, rate: float, rng: random.Random):
+        self.forward, self.rate, self.rng, self.injected = model.forward, rate, rng, 0
+        self.lock = threading.Lock()
+
+    def __call__(self, *args, **kwargs):
+        with self.lock:
+            fail = self.rng.random() < self.rate
+            self.injected += fail
+        if fail:
+            raise RuntimeError("injected fault in the model forward")
+        return self.forward(*args, **kwargs)
+
+
+def run_soak(
+    n_requests: int = 2000,
+    clients: int = 8,
+    seed: int = 0,
+    fault_rate: float = 0.02,
+    cancel_rate: float = 0.1,
+    n_pages: int = 48,
+) -> SoakReport:
+    rng = random.Random(seed)
+    tokenizer = make_tokenizer()
+    model = make_model("llama", len(tokenizer), seed=seed)
+    prompts = [rng.choice(PREFIXES) + " ".join(rng.choices(WORDS, k=rng.randint(1, 14))) for _ in range(60)]
+    reference = {p: reference_generate(model, tokenizer, p, MAX_NEW) for p in prompts}
+    report = SoakReport(requests=n_requests)
+    engine = InferenceEngine(model, tokenizer, page_size=4, n_pages=n_pages, max_batch_size=8, max_batched_tokens=48)
+    faults = FaultyForward(model, fault_rate, random.Random(seed + 1))
+    model.forward = faults
+    lock = threading.Lock()
+    remaining = iter(range(n_requests))
+    outcomes: list[tuple[list[str], dict, Outcome]] = []
+
+    def client(client_seed: int) -> None:
+        crng = random.Random(client_seed)
+        while True:
+            with lock:
+                taken = list(itertools.islice(remaining, crng.randint(1, 3)))
+            if not taken:
+                return
+            batch = [crng.choice(prompts) for _ in taken]
+            greedy = crng.random() < 0.5
+            sampling = dict(
+                max_tokens=crng.randint(1, MAX_NEW),
+                temperature=0.0 if greedy else crng.uniform(0.3, 1.5),
+                top_p=crng.uniform(0.3, 1.0),
+                top_k=crng.choice([0, 5, 50]),
+                seed=crng.randrange(1000),
+            )
+            try:
+                outcome = consume(engine, batch, sampling, crng.random() < cancel_rate, crng)
+            except Exception as exc:  # a client-side surprise is a finding, not a reason to stop quietly
+                with lock:
+                    report.unexplained_errors.append(f"client: {exc!r}")
+                continue
+            with lock:
+                outcomes.append((batch, sampling, outcome))
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=client, args=(seed * 100 + c,), daemon=True) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=max(1.0, WAIT_BOUND_S * n_requests / clients - (time.monotonic() - started)))
+    report.hung += sum(t.is_alive() for t in threads)
+    report.seconds = time.monotonic() - started
+    deadline = time.monotonic() + 5
+    while engine.cache_stats()["used_pages"] and time.monotonic() < deadline:  # cancels land at the next step
+        time.sleep(0.01)
+    for batch, sampling, outcome in outcomes:
+        record(report, engine, batch, sampling, outcome, reference)
+    stats = engine.cache_stats()
+    report.used_pages_after, report.evictions, report.preemptions = (
+        stats["used_pages"],
+        stats["evictions"],
+        stats["preemptions"],
+    )
+    report.faults_injected = faults.injected
+    with engine._lock:
+        engine.pool.check_invariants()
+    engine.shutdown()
+    return report
+
+
+@dataclass
+class Outcome:
+    request_ids: list[int]
+    wait_s: float
+
+
+def consume(engine: InferenceEngine, batch: list[str], sampling: dict, cancel: bool, rng: random.Random) -> Outcome:
+    started = time.monotonic()
+    stream = engine.generate(batch, stream=True, **sampling)
+    stop_after = rng.randint(0, 6) if cancel else None
+    try:
+        for n, _ in enumerate(stream):
+            if stop_after is not None and n >= stop_after:
+                stream.close()
+                break
+    except RequestFailedError:
+        pass  # the stream cancels its other requests; record() reads each request's own status and error
+    return Outcome(stream.request_ids, time.monotonic() - started)
+
+
+def record(
+    report: SoakReport,
+    engine: InferenceEngine,
+    batch: list[str],
+    sampling: dict,
+    outcome: Outcome,
+    reference: dict[str, list[int]],
+) -> None:
+    """Judge each request by the engine's own account of it: a failure must name its cause."""
+    report.longest_wait_s = max(report.longest_wait_s, outcome.wait_s)
+    report.hung += outcome.wait_s > WAIT_BOUND_S
+    for info, prompt in zip(engine.request_info(outcome.request_ids), batch, strict=True):
+        report.outcomes[info["status"]] += 1
+        if info["status"] == "failed" and "injected fault" not in (info["error"] or ""):
+            report.unexplained_errors.append(info["error"] or "failed without a message")
+        if info["status"] == "finished" and sampling["temperature"] == 0:
+            report.greedy_checked += 1
+            report.greedy_mismatches += info["output_ids"] != reference[prompt][: sampling["max_tokens"]]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fault-rate", type=float, default=0.02)
+    args = parser.parse_args()
+    logging.getLogger("astrai").setLevel(logging.CRITICAL)  # the injected faults would flood the log
+    report = run_soak(args.requests, args.clients, args.seed, args.fault_rate)
+    for name, value in vars(report).items():
+        print(f"{name}: {value}")
+    print("OK" if report.ok else "FAILED")
+    raise SystemExit(0 if report.ok else 1)
+
+
+if __name__ == "__main__":
+    main()
