@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import os
+import json
 import re
 import shutil
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from astrai import InferenceEngine
+from astrai.playground.loadtest import launch_app
 from astrai.playground.service import EMBEDDED_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,41 +31,11 @@ PREFIX = "Once upon a time, in a small village by the sea, there lived a kind ol
 PANELS = ["One day, he found a", "One day, his cat", "One day, a big storm"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server_url():
-    port = free_port()
-    env = {
-        **os.environ,
-        "GRADIO_SERVER_NAME": "127.0.0.1",
-        "GRADIO_SERVER_PORT": str(port),
-        "GRADIO_ANALYTICS_ENABLED": "False",
-        "HF_HUB_OFFLINE": "1",
-    }
     ARTIFACTS.mkdir(exist_ok=True)
-    log = open(ARTIFACTS / "app.log", "w")  # noqa: SIM115 - it lives as long as the server
-    proc = subprocess.Popen([sys.executable, str(ROOT / "app.py")], env=env, stdout=log, stderr=subprocess.STDOUT)
-    url, deadline = f"http://127.0.0.1:{port}/", time.monotonic() + 120
-    while True:
-        try:
-            urllib.request.urlopen(url + "config", timeout=2)
-            break
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError((ARTIFACTS / "app.log").read_text()) from None
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise TimeoutError("app.py did not start") from None
-            time.sleep(0.3)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=20)
-    log.close()
+    with launch_app(log_path=ARTIFACTS / "app.log") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -170,3 +137,21 @@ def test_browser_shared_prefix_scenario(server_url):
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "playground.png"), full_page=True)
         browser.close()
+
+
+def test_another_session_never_sees_my_text_and_isolation_works(server_url):
+    from gradio_client import Client
+
+    alice, bob = Client(server_url, verbose=False), Client(server_url, verbose=False)
+    secret = "Zanzibar the purple elephant sang a long song about the moon and the stars to her friend"
+    alice.predict(**run_args([secret], 8) | {"shared_prefix": ""}, api_name="/run")
+    assert "Zanzibar" in json.dumps(alice.predict(api_name="/refresh")), "control: Alice sees her own pages"
+    assert "Zanzibar" not in json.dumps(bob.predict(api_name="/refresh"))
+
+    def bob_cached(isolate: bool) -> int:
+        args = run_args([secret], 4) | {"shared_prefix": "", "isolate_cache": isolate}
+        outputs = bob.predict(**args, api_name="/run")
+        return int(re.search(r"\*\*(\d+)\*\* cached", outputs[6]).group(1))
+
+    assert bob_cached(isolate=True) == 0  # his salted namespace cannot see Alice's pages
+    assert bob_cached(isolate=False) > 0  # the shared namespace hits them (without showing her text)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -20,6 +21,7 @@ MAX_NEW_TOKENS = 256
 THROTTLE_SECONDS = 0.04  # one UI update per 40 ms at most: gradio sends every yield
 REFRESH_SECONDS = 1.0
 MAX_HIGHLIGHT_TOKENS = 300
+QUEUE_SIZE = 64  # waiting events beyond this get an immediate "queue is full" answer
 TABLE_COLUMNS = [
     "panel",
     "prompt",
@@ -449,5 +451,5 @@ def build_demo(service: EngineService) -> gr.Blocks:
             show_progress="hidden",
         )
         demo.load(app.refresh, view_state, refresh_outputs, api_visibility="private")
-    demo.queue(max_size=64, default_concurrency_limit=2)
+    demo.queue(max_size=int(os.environ.get("ASTRAI_QUEUE_SIZE", QUEUE_SIZE)), default_concurrency_limit=2)
     return demo
