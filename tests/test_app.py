@@ -107,36 +107,65 @@ def test_bad_input_gets_a_clear_message(client):
     assert client.predict(api_name="/cache_stats")["used_pages"] == 0
 
 
-@pytest.mark.browser
-@pytest.mark.skipif(not shutil.which(CHROMIUM), reason="Debian chromium is not installed (.ci/run installs it)")
-def test_browser_shared_prefix_scenario(server_url):
+@pytest.fixture
+def page(server_url):
+    if not shutil.which(CHROMIUM):
+        pytest.skip("Debian chromium is not installed (.ci/run installs it)")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         context = browser.new_context(viewport={"width": 1400, "height": 1000})
         context.route(re.compile(r"^https?://(?!127\.0\.0\.1)"), lambda route: route.abort())
-        page = context.new_page()
-        page.goto(server_url)
-        page.wait_for_selector("#run_btn", state="visible", timeout=60000)
-        page.locator("#scenario input").click()
-        page.get_by_role("option", name="Shared system prompt").click()
-        page.wait_for_function("document.querySelector('#prompt_3 textarea').value.length > 0", timeout=30000)
-        page.click("#run_btn")
-        page.wait_for_function(
-            "[0,1,2,3].every(i => document.querySelector(`#out_${i} textarea`).value.length > 10)", timeout=60000
-        )
-        page.wait_for_selector("#plot_0 .js-plotly-plot", timeout=30000)
-        page.wait_for_selector("#plot_3 .js-plotly-plot .heatmaplayer", state="attached", timeout=30000)
-        page.wait_for_function(
-            "/\\*?\\*?[1-9]\\d*\\*?\\*? cached/.test(document.querySelector('#badge_1').innerText)", timeout=30000
-        )
-        badge = page.locator("#badge_1").inner_text()
-        assert int(re.search(r"(\d+) cached", badge).group(1)) > 0
-        page.click("#stop_btn")
-        ARTIFACTS.mkdir(exist_ok=True)
-        page.screenshot(path=str(ARTIFACTS / "playground.png"), full_page=True)
+        pg = context.new_page()
+        pg.goto(server_url)
+        pg.wait_for_selector("#run_btn", state="visible", timeout=60000)
+        yield pg
         browser.close()
+
+
+@pytest.mark.browser
+def test_browser_shared_prefix_scenario(page):
+    page.locator("#scenario input").click()
+    page.get_by_role("option", name="Shared system prompt").click()
+    page.wait_for_function("document.querySelector('#prompt_3 textarea').value.length > 0", timeout=30000)
+    page.click("#run_btn")
+    page.wait_for_function(
+        "[0,1,2,3].every(i => document.querySelector(`#out_${i} textarea`).value.length > 10)", timeout=60000
+    )
+    page.wait_for_selector("#plot_0 .js-plotly-plot", timeout=30000)
+    page.wait_for_selector("#plot_3 .js-plotly-plot .heatmaplayer", state="attached", timeout=30000)
+    page.wait_for_function("/[1-9]\\d* cached/.test(document.querySelector('#badge_1').innerText)", timeout=30000)
+    badge = page.locator("#badge_1").inner_text()
+    assert int(re.search(r"(\d+) cached", badge).group(1)) > 0
+    assert page.locator("#tokens_1").inner_text().count("cached") >= 1
+    page.click("#stop_btn")
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "playground.png"), full_page=True)
+
+
+HOSTILE = '<img src=x onerror="window.__pwned=1"><script>window.__pwned=2</script><b>bold</b> Once upon a time'
+
+
+@pytest.mark.browser
+def test_browser_shows_html_in_prompts_as_text_and_caps_length(page):
+    page.locator("#prompt_0 textarea").fill(HOSTILE)
+    page.locator("#prompt_1 textarea").fill("x" * 5000)
+    assert len(page.locator("#prompt_1 textarea").input_value()) <= 2000  # the box caps oversized text
+    page.click("#run_btn")
+    page.wait_for_function("document.querySelector('#out_0 textarea').value.length > 5", timeout=60000)
+    page.wait_for_function("document.querySelector('#requests').innerText.includes('<img')", timeout=30000)
+    page.wait_for_timeout(1500)  # give any injected handler a chance to run
+    assert page.evaluate("window.__pwned") is None
+    assert page.locator("#requests img").count() == 0 and page.locator("#tokens_0 img").count() == 0
+    assert "<script>" in page.locator("#tokens_0").inner_text().replace(" ", "").replace("\n", "")
+
+
+def test_too_many_panels_is_refused(client):
+    from gradio_client.exceptions import AppError
+
+    with pytest.raises(AppError, match="between 1 and 6 panels"):
+        client.predict(**run_args(PANELS, 8) | {"n_panels": 50}, api_name="/run")
 
 
 def test_another_session_never_sees_my_text_and_isolation_works(server_url):

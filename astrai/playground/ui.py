@@ -370,7 +370,11 @@ def build_demo(service: EngineService) -> gr.Blocks:
             top_p = gr.Slider(0.05, 1, value=1, step=0.05, label="Top-p")
             top_k = gr.Slider(0, 200, value=0, step=1, label="Top-k (0 = off)")
             seed = gr.Number(0, precision=0, label="Seed", minimum=0)
-        stats = gr.Markdown(elem_id="stats")
+        with gr.Row():
+            stats = gr.Markdown(elem_id="stats")
+            live = gr.Checkbox(
+                True, label="Live charts (refresh every second)", elem_id="live_charts", scale=0, min_width=260
+            )
         plots = []
         for row in range(2):
             with gr.Row():
@@ -441,6 +445,7 @@ def build_demo(service: EngineService) -> gr.Blocks:
             concurrency_id="rebuild",
         )
         timer = gr.Timer(REFRESH_SECONDS)
+        live.change(lambda on: gr.Timer(active=bool(on)), live, timer, queue=False, api_visibility="private")
         refresh_outputs = [*plots, stats, view_state]
         timer.tick(
             app.refresh,
