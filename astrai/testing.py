@@ -5,6 +5,9 @@ Shared by the tests, the soak and the fuzz runs: they need real transformers mod
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
@@ -77,3 +80,30 @@ def reference_generate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFas
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
     return out[0, ids.shape[1] :].tolist()
+
+
+def write_checkpoint(path: Path, kind: str) -> Path:
+    """Write a tiny checkpoint directory of one kind: "safetensors" (loads), "no_weights", "pickle_only" (a
+    pytorch_model.bin, which must be refused) or "remote_code" (asks for trust_remote_code, also refused)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if kind == "remote_code":
+        config = {
+            "model_type": "my_custom_lm",
+            "auto_map": {
+                "AutoConfig": "modeling_custom.CustomConfig",
+                "AutoModelForCausalLM": "modeling_custom.CustomLM",
+            },
+        }
+        (path / "config.json").write_text(json.dumps(config))
+        (path / "modeling_custom.py").write_text("raise SystemExit('remote code ran')\n")
+        return path
+    tokenizer = make_tokenizer()
+    model = make_model("qwen2" if kind == "safetensors" else "llama", len(tokenizer))
+    tokenizer.save_pretrained(path)
+    if kind == "safetensors":
+        model.save_pretrained(path)
+    else:
+        model.config.save_pretrained(path)
+        if kind == "pickle_only":
+            torch.save(model.state_dict(), path / "pytorch_model.bin")  # a pickle, as old checkpoints ship
+    return path

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import math
+import re
 import threading
 import time
 
 import pytest
 
 from astrai import EngineClosedError, InferenceEngine, RequestFailedError
+from astrai.bad_inputs import BAD_CALLS, BAD_CHECKPOINTS, MAX_SEQ_LEN, PROMPT, report
 from astrai.testing import make_model, make_tokenizer
-
-PROMPT = "Once upon a time there was a little cat."
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +25,7 @@ def model(tokenizer):
 
 @pytest.fixture
 def engine(model, tokenizer):
-    with InferenceEngine(model, tokenizer, page_size=4, n_pages=64, max_seq_len=200) as eng:
+    with InferenceEngine(model, tokenizer, page_size=4, n_pages=64, max_seq_len=MAX_SEQ_LEN) as eng:
         yield eng
 
 
@@ -90,35 +89,19 @@ def test_a_faulty_scheduler_step_does_not_kill_the_loop(engine, monkeypatch):
     assert engine.generate(PROMPT, max_tokens=4)
 
 
-BAD_CALLS = [
-    ("", {}, ValueError, "empty"),
-    ("   \n", {}, ValueError, "empty"),
-    ([], {}, ValueError, "empty list"),
-    (["ok", 3], {}, TypeError, "prompt 1 must be a str"),
-    (42, {}, TypeError, "must be a str or a list"),
-    ("bad \udc80 surrogate", {}, ValueError, "not valid UTF-8"),
-    (PROMPT, {"max_tokens": 0}, ValueError, "max_tokens"),
-    (PROMPT, {"max_tokens": -5}, ValueError, "max_tokens"),
-    (PROMPT, {"max_tokens": 10**9}, ValueError, "max_seq_len"),
-    (PROMPT * 40, {"max_tokens": 8}, ValueError, "max_seq_len"),
-    (PROMPT, {"temperature": math.nan}, ValueError, "temperature"),
-    (PROMPT, {"temperature": -1.0}, ValueError, "temperature"),
-    (PROMPT, {"top_p": 0.0}, ValueError, "top_p"),
-    (PROMPT, {"top_p": 1.5}, ValueError, "top_p"),
-    (PROMPT, {"top_p": math.nan}, ValueError, "top_p"),
-    (PROMPT, {"top_k": -1}, ValueError, "top_k"),
-    (PROMPT, {"seed": -1}, ValueError, "seed"),
-    (PROMPT, {"seed": 2**64}, ValueError, "seed"),
-    (PROMPT, {"cache_salt": 5}, TypeError, "cache_salt"),
-]
-
-
-@pytest.mark.parametrize(("prompts", "kwargs", "error", "message"), BAD_CALLS)
-def test_bad_input_gets_a_clear_error_and_loses_nothing(engine, prompts, kwargs, error, message):
-    with pytest.raises(error, match=message):
-        engine.generate(prompts, **kwargs)
+@pytest.mark.parametrize("bad", BAD_CALLS, ids=[b.case for b in BAD_CALLS])
+def test_bad_input_gets_a_clear_error_and_loses_nothing(engine, bad):
+    with pytest.raises(bad.error, match=bad.match):
+        engine.generate(bad.prompts, **bad.kwargs)
     assert engine.cache_stats()["running"] == engine.cache_stats()["waiting"] == 0
     assert engine.generate(PROMPT, max_tokens=2)
+
+
+def test_the_bad_input_report_lists_every_case_with_its_error():
+    rows = report().splitlines()[2:]
+    assert len(rows) == len(BAD_CALLS) + 1 + 1 + len(BAD_CHECKPOINTS)  # + pool overflow + unknown model id
+    assert all(re.search(r"\| `(ValueError|TypeError|ModelLoadError)`: \w", row) for row in rows), rows
+    assert not any(row.endswith("| NO |") for row in rows)
 
 
 def test_a_prompt_larger_than_the_pool_is_rejected_at_submit(model, tokenizer):
