@@ -60,12 +60,3 @@ class Request:
     @property
     def done(self) -> bool:
         return self.status in (Status.FINISHED, Status.CANCELLED, Status.FAILED)
-
-    @property
-    def max_len(self) -> int:
-        """The most tokens this request can ever hold, which admission checks against the pool."""
-        return self.prompt_len + self.params.max_tokens
-
-    def full_pages(self, page_size: int) -> int:
-        """Pages whose every slot holds computed KV: only these may be shared."""
-        return self.num_computed // page_size

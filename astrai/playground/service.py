@@ -14,7 +14,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from astrai import InferenceEngine
 
@@ -167,6 +166,3 @@ class EngineService:
         self._stop.set()
         if self.engine is not None:
             self.engine.shutdown()
-
-    def stats(self) -> dict[str, Any]:
-        return self.current().cache_stats()
