@@ -269,17 +269,23 @@ def table(title: str, rows: list[tuple[str, Result]], reference: dict[str, list[
     return "\n".join(lines)
 
 
-def bench_model(title: str, load: Callable, names: list[str], rounds: int, dtype: str) -> str:
+def bench_model(title: str, load: Callable, names: list[str], rounds: int, bf16: bool) -> str:
     base, tokenizer = load()
     eos = tokenizer.eos_token_id
     vocab = base.config.vocab_size
     workloads = [w for w in make_workloads(vocab) if w.name in names]
     floor = raw_forward_floor(base, vocab)
-    engine_model, cb_model = copy.deepcopy(base), copy.deepcopy(base)
-    options = dict(page_size=16, n_pages=1024, max_batch_size=8, max_batched_tokens=512, dtype=dtype)
-    cached = InferenceEngine(engine_model, tokenizer, prefix_caching=True, **options)
-    uncached = InferenceEngine(engine_model, tokenizer, prefix_caching=False, **options)
-    manager = cb_model.init_continuous_batching(
+    options = dict(page_size=16, n_pages=1024, max_batch_size=8, max_batched_tokens=512)
+    engine_model = copy.deepcopy(base)  # the engine switches its model to paged attention
+    engines = {
+        "astrai, prefix caching on": InferenceEngine(engine_model, tokenizer, prefix_caching=True, **options),
+        "astrai, prefix caching off": InferenceEngine(engine_model, tokenizer, prefix_caching=False, **options),
+    }
+    if bf16:  # its own copy: the engine casts its model in place
+        engines["astrai bfloat16, prefix caching on"] = InferenceEngine(
+            copy.deepcopy(base), tokenizer, prefix_caching=True, dtype="bfloat16", **options
+        )
+    manager = copy.deepcopy(base).init_continuous_batching(
         generation_config=GenerationConfig(do_sample=False, eos_token_id=eos, pad_token_id=eos),
         continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=256, num_blocks=64, page_size=256),
     )
@@ -291,15 +297,17 @@ def bench_model(title: str, load: Callable, names: list[str], rounds: int, dtype
             for work in workloads:  # interleaved: every method runs each workload in turn
                 hf = run_hf_generate(base, work, eos)
                 reference[work.name] = hf.outputs
-                rows.append((work.name, hf))
-                rows.append((work.name, run_hf_continuous(manager, work)))
-                rows.append((work.name, run_engine(cached, work, "astrai, prefix caching on")))
-                rows.append((work.name, run_engine(uncached, work, "astrai, prefix caching off")))
-                print(table(title, rows[-4:], reference, floor).splitlines()[-4:], flush=True)
+                batch = [hf, run_hf_continuous(manager, work)]
+                batch += [run_engine(engine, work, name) for name, engine in engines.items()]
+                rows += [(work.name, r) for r in batch]
+                print(
+                    "\n".join(table(title, rows[-len(batch) :], reference, floor).splitlines()[-len(batch) :]),
+                    flush=True,
+                )
     finally:
         manager.stop(block=True, timeout=30)
-        cached.shutdown()
-        uncached.shutdown()
+        for engine in engines.values():
+            engine.shutdown()
     return table(title, rows, reference, floor)
 
 
@@ -308,7 +316,7 @@ def main() -> None:
     parser.add_argument("--models", default="smollm,embedded", help="comma list of: smollm, embedded")
     parser.add_argument("--workloads", default="W1,W2,W1-16")
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--bf16", action="store_true", help="also run the engine in bfloat16")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -317,10 +325,10 @@ def main() -> None:
         "embedded": ("embedded tinystories-llama", embedded),
     }
     names = args.workloads.split(",")
-    print(f"torch {torch.__version__}, {args.threads} threads, dtype {args.dtype}\n")
+    print(f"torch {torch.__version__}, {args.threads} threads, float32 unless marked\n")
     for key in args.models.split(","):
         title, load = loaders[key]
-        print(bench_model(f"{title}, {args.dtype}", load, names, args.rounds, args.dtype), "\n", flush=True)
+        print(bench_model(title, load, names, args.rounds, args.bf16), "\n", flush=True)
 
 
 if __name__ == "__main__":
