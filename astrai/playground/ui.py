@@ -139,21 +139,21 @@ class Playground:
         request: gr.Request,
     ):
         panels = [prompt_1, prompt_2, prompt_3, prompt_4, prompt_5, prompt_6]
-        n = int(n_panels or 0)
-        if not 1 <= n <= MAX_PANELS:
-            raise gr.Error(f"Use between 1 and {MAX_PANELS} panels.")
-        prefix = shared_prefix or ""
-        prompts = [p or "" for p in panels[:n]]
-        for i, prompt in enumerate(prompts):
-            if not (prefix + prompt).strip():
-                raise gr.Error(f"Panel {i + 1} has an empty prompt.")
-            if len(prefix) + len(prompt) > 2 * MAX_PROMPT_CHARS:
-                raise gr.Error(f"Panel {i + 1}: prompt too long (max {2 * MAX_PROMPT_CHARS} characters).")
-        if not 1 <= int(max_tokens or 0) <= MAX_NEW_TOKENS:
-            raise gr.Error(f"Max tokens must be between 1 and {MAX_NEW_TOKENS}.")
         engine = self.service.current()
         session = request.session_hash or "anonymous"
-        try:
+        try:  # anything a client can send: NaN, None, strings where numbers belong
+            n = int(n_panels)
+            if not 1 <= n <= MAX_PANELS:
+                raise ValueError(f"Use between 1 and {MAX_PANELS} panels.")
+            prefix = shared_prefix or ""
+            prompts = [p or "" for p in panels[:n]]
+            for i, prompt in enumerate(prompts):
+                if not (prefix + prompt).strip():
+                    raise ValueError(f"Panel {i + 1} has an empty prompt.")
+                if len(prefix) + len(prompt) > 2 * MAX_PROMPT_CHARS:
+                    raise ValueError(f"Panel {i + 1}: prompt too long (max {2 * MAX_PROMPT_CHARS} characters).")
+            if not 1 <= int(max_tokens) <= MAX_NEW_TOKENS:
+                raise ValueError(f"Max tokens must be between 1 and {MAX_NEW_TOKENS}.")
             stream = engine.generate(
                 [format_prompt(engine, prefix, p) for p in prompts],
                 max_tokens=int(max_tokens),
@@ -164,23 +164,26 @@ class Playground:
                 stream=True,
                 cache_salt=session if isolate_cache else None,
             )
-        except (ValueError, TypeError, EngineClosedError) as exc:
+        except (ValueError, TypeError, OverflowError, EngineClosedError) as exc:
             raise gr.Error(str(exc)) from None
         self.service.register(stream.request_ids, session)
         answers = [""] * n
-        highlighted = [False] * n
+        coloured: set[int] = set()  # panels whose token colouring was sent (once: it never changes)
+        first = True
 
         def frame() -> list[Any]:
+            nonlocal first
             by_id = {info["id"]: info for info in engine.request_info(stream.request_ids)}
             infos = [by_id.get(rid) for rid in stream.request_ids]
             highlights: list[Any] = []
             for i in range(MAX_PANELS):
                 info = infos[i] if i < n else None
-                if info is not None and not highlighted[i] and info["cached_tokens"] is not None:
-                    highlighted[i] = True
+                if info is not None and info["cached_tokens"] is not None and i not in coloured:
+                    coloured.add(i)
                     highlights.append(token_highlights(engine, info))
                 else:
-                    highlights.append(gr.skip() if i < n else None)
+                    highlights.append(None if first else gr.skip())  # the first frame clears the last run's
+            first = False
             outs = [answers[i] if i < n else "" for i in range(MAX_PANELS)]
             badges = [badge(infos[i]) if i < n else "" for i in range(MAX_PANELS)]
             return [*outs, *badges, *highlights, request_table(infos, prompts)]
