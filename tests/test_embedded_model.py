@@ -6,6 +6,7 @@ The model is produced by scripts/train_tiny_model.py; these tests only load it, 
 import json
 import os
 import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,6 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
     return AutoModelForCausalLM.from_pretrained(MODEL_DIR, local_files_only=True).eval()
 
 
@@ -91,7 +91,8 @@ def test_greedy_generation_is_deterministic_and_legible(model, tokenizer):
     assert first == second
     words = re.findall(r"[a-z]+", first.lower())
     assert len(words) >= 20, first
-    assert len(COMMON_WORDS.intersection(words)) >= 3, first
+    assert len(COMMON_WORDS.intersection(words)) >= 4, first
+    assert max(Counter(words).values()) <= len(words) // 4, first  # no "the the the" loops
 
 
 def test_card_parameter_count_matches_model(model):
