@@ -38,8 +38,8 @@ class PagedBatch:
     kv_cache: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K and V, each [kv_heads, slots, head_dim]
     slot_mapping: torch.Tensor  # [T] slot each new token's K/V is written to
     decode_rows: torch.Tensor  # [Bd] rows with a single query token
-    decode_slots: torch.Tensor  # [Bd, Lmax] context slots per decode row (padded)
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, Lmax] or None when no padding
+    decode_slots: torch.Tensor  # [Bd * Lmax] context slots of each decode row, padded, flattened
+    decode_mask: torch.Tensor | None  # [1, Bd, 1, Lmax] or None when no padding
     decode_covers_all: bool  # every row is a decode row: skip the scatter
     prefills: list[PrefillChunk]
 
@@ -71,15 +71,15 @@ def build_paged_batch(
         row += count
     longest = max((len(s) for s in decode_slots), default=0)
     padded = torch.zeros(len(decode_slots), longest, dtype=torch.long)
-    mask = torch.zeros(len(decode_slots), 1, 1, longest, dtype=torch.bool)
+    mask = torch.zeros(1, len(decode_slots), 1, longest, dtype=torch.bool)
     for i, slots in enumerate(decode_slots):
         padded[i, : len(slots)] = slots
-        mask[i, ..., : len(slots)] = True
+        mask[0, i, :, : len(slots)] = True
     return PagedBatch(
         kv_cache=kv_cache,
         slot_mapping=torch.cat(new_slots),
         decode_rows=torch.tensor(decode_rows, dtype=torch.long),
-        decode_slots=padded,
+        decode_slots=padded.flatten(),
         decode_mask=None if bool(mask.all()) else mask,
         decode_covers_all=len(decode_rows) == row,
         prefills=prefills,
@@ -111,13 +111,15 @@ def paged_attention(
 
     batch = paged_batch
     if batch.decode_rows.numel():
-        q_dec = q if batch.decode_covers_all else q[:, batch.decode_rows]
+        # KV heads act as the batch dimension: index_select copies whole slot rows (fast), the gathered
+        # context is contiguous, and each KV head's query group rides along as extra query rows.
+        q_dec = q if batch.decode_covers_all else q.index_select(1, batch.decode_rows)
         n = q_dec.shape[1]
-        q_dec = q_dec.transpose(0, 1).reshape(n, kv_heads, groups, head_dim)
-        k = k_cache[:, batch.decode_slots].transpose(0, 1)  # [Bd, KVH, L, D]
-        v = v_cache[:, batch.decode_slots].transpose(0, 1)
+        q_dec = q_dec.view(kv_heads, groups, n, head_dim).transpose(1, 2)  # [KVH, Bd, G, D]
+        k = k_cache.index_select(1, batch.decode_slots).view(kv_heads, n, -1, head_dim)  # [KVH, Bd, L, D]
+        v = v_cache.index_select(1, batch.decode_slots).view(kv_heads, n, -1, head_dim)
         res = F.scaled_dot_product_attention(q_dec, k, v, attn_mask=batch.decode_mask, scale=scaling)
-        res = res.reshape(n, heads, head_dim)
+        res = res.permute(1, 0, 2, 3).reshape(n, heads, head_dim)
         if batch.decode_covers_all:
             out = res
         else:
@@ -125,8 +127,8 @@ def paged_attention(
 
     for chunk in batch.prefills:
         q_pre = q[:, chunk.start : chunk.start + chunk.length].reshape(1, kv_heads, groups * chunk.length, head_dim)
-        k = k_cache[:, chunk.key_slots].unsqueeze(0)  # [1, KVH, L, D]
-        v = v_cache[:, chunk.key_slots].unsqueeze(0)
+        k = k_cache.index_select(1, chunk.key_slots).unsqueeze(0)  # [1, KVH, L, D]
+        v = v_cache.index_select(1, chunk.key_slots).unsqueeze(0)
         res = F.scaled_dot_product_attention(q_pre, k, v, attn_mask=chunk.mask, scale=scaling)
         res = res.reshape(heads, chunk.length, head_dim).transpose(0, 1)
         out[chunk.start : chunk.start + chunk.length] = res
