@@ -297,6 +297,7 @@ def bench_model(title: str, load: Callable, names: list[str], rounds: int, bf16:
     )
     manager.start()
     rows: list[tuple[str, Result]] = []
+    blocks: list[tuple[str, list[Result]]] = []  # one per (round, workload)
     reference: dict[str, list[list[int]]] = {}
     try:
         for _ in range(rounds):
@@ -307,6 +308,7 @@ def bench_model(title: str, load: Callable, names: list[str], rounds: int, bf16:
                 batch = [hf, run_hf_continuous(manager, work)]
                 batch += [run_engine(engine, work, name) for name, engine in engines.items()]
                 rows += [(work.name, r) for r in batch]
+                blocks.append((work.name, batch))
                 print(
                     "\n".join(table(title, rows[-len(batch) :], reference, floors).splitlines()[-len(batch) :]),
                     flush=True,
@@ -315,7 +317,29 @@ def bench_model(title: str, load: Callable, names: list[str], rounds: int, bf16:
         manager.stop(block=True, timeout=30)
         for engine in engines.values():
             engine.shutdown()
-    return table(title, rows, reference, floors)
+    return table(title, rows, reference, floors) + "\n\nMedians over rounds:\n\n" + summary(blocks)
+
+
+def summary(blocks: list[tuple[str, list[Result]]]) -> str:
+    """Medians over rounds; each ratio is taken within its own round (one workload, every method in turn)."""
+    ratios: dict[tuple[str, str], list[tuple[float, float, float | None]]] = {}
+    for workload, results in blocks:
+        best = max(r.tok_s for r in results if r.method.startswith("transformers"))
+        generate = next(r.tok_s for r in results if r.method == "transformers generate")
+        for r in results:
+            ratios.setdefault((workload, r.method), []).append((r.tok_s / best, r.tok_s / generate, r.decode_ms))
+    lines = [
+        "| workload | method | rounds | median vs best transformers | median vs generate | median decode ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (workload, method), values in ratios.items():
+        decode = [d for _, _, d in values if d]
+        lines.append(
+            f"| {workload} | {method} | {len(values)} | {statistics.median(b for b, _, _ in values):.2f}x | "
+            f"{statistics.median(g for _, g, _ in values):.2f}x | "
+            + (f"{statistics.median(decode):.1f} |" if decode else "- |")
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:
