@@ -149,9 +149,15 @@ HOSTILE = '<img src=x onerror="window.__pwned=1"><script>window.__pwned=2</scrip
 
 @pytest.mark.browser
 def test_browser_shows_html_in_prompts_as_text_and_caps_length(page):
+    page.locator("#n_panels input[type=number]").fill("2")
+    page.locator("#n_panels input[type=number]").press("Enter")
+    page.wait_for_selector("#prompt_2", state="hidden", timeout=10000)
     page.locator("#prompt_0 textarea").fill(HOSTILE)
     page.locator("#prompt_1 textarea").fill("x" * 5000)
     assert len(page.locator("#prompt_1 textarea").input_value()) <= 2000  # the box caps oversized text
+    page.click("#run_btn")  # 2,000 x's are still 2,001 tokens: too long for the model, said in a toast
+    page.get_by_text("over max_seq_len").first.wait_for(timeout=30000)
+    page.locator("#prompt_1 textarea").fill("The dog ran")
     page.click("#run_btn")
     page.wait_for_function("document.querySelector('#out_0 textarea').value.length > 5", timeout=60000)
     page.wait_for_function("document.querySelector('#requests').innerText.includes('<img')", timeout=30000)
