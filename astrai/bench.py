@@ -245,32 +245,39 @@ def raw_forward_floor(model: PreTrainedModel, vocab: int, context: int = 300, ba
 
 
 # ----- the report -----------------------------------------------------------------------------------------
-def table(
-    title: str, rows: list[tuple[str, Result]], reference: dict[str, list[list[int]]], floors: dict[str, float]
-) -> str:
-    measured = ", ".join(f"{w}: {ms:.1f} ms" for w, ms in floors.items())
+@dataclass
+class Block:
+    """One workload run by every method in turn, with the floor measured just before."""
+
+    workload: str
+    floor_ms: float
+    results: list[Result]
+
+    def ratios(self, r: Result) -> tuple[float, float]:
+        """(vs transformers generate, vs the best transformers method), both within this block."""
+        best = max(x.tok_s for x in self.results if x.method.startswith("transformers"))
+        generate = next(x.tok_s for x in self.results if x.method == "transformers generate")
+        return r.tok_s / generate, r.tok_s / best
+
+
+def table(title: str, blocks: list[Block], reference: dict[str, list[list[int]]]) -> str:
     lines = [
         f"### {title}",
         "",
-        f"Raw forward floor (8 single-token decodes at context 300 through a DynamicCache), measured right before "
-        f"each workload: {measured}",
-        "",
-        "| workload | method | wall s | tok/s | TTFT s | prompt tokens computed | decode step ms | "
+        "| workload | method | wall s | tok/s | TTFT s | prompt tokens computed | decode step ms | floor ms | "
         "step / floor | peak RSS MB | vs generate | vs best transformers | greedy = generate |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for workload in dict.fromkeys(w for w, _ in rows):
-        results = [r for w, r in rows if w == workload]
-        best = max(r.tok_s for r in results if r.method.startswith("transformers"))
-        generate = next(r.tok_s for r in results if r.method == "transformers generate")
-        for r in results:
-            same = sum(a == b for a, b in zip(r.outputs, reference[workload], strict=True))
+    for block in sorted(blocks, key=lambda b: list(reference).index(b.workload)):
+        for r in block.results:
+            same = sum(a == b for a, b in zip(r.outputs, reference[block.workload], strict=True))
             decode = f"{r.decode_ms:.1f}" if r.decode_ms else "-"
-            ratio = f"{r.decode_ms / floors[workload]:.2f}" if r.decode_ms else "-"
+            ratio = f"{r.decode_ms / block.floor_ms:.2f}" if r.decode_ms else "-"
+            vs_generate, vs_best = block.ratios(r)
             lines.append(
-                f"| {workload} | {r.method} | {r.wall:.2f} | {r.tok_s:.1f} | {r.ttft:.2f} | {r.prompt_computed} | "
-                f"{decode} | {ratio} | {r.peak_rss_mb:.0f} | {r.tok_s / generate:.2f}x | {r.tok_s / best:.2f}x | "
-                f"{same}/{len(r.outputs)} |"
+                f"| {block.workload} | {r.method} | {r.wall:.2f} | {r.tok_s:.1f} | {r.ttft:.2f} | "
+                f"{r.prompt_computed} | {decode} | {block.floor_ms:.1f} | {ratio} | {r.peak_rss_mb:.0f} | "
+                f"{vs_generate:.2f}x | {vs_best:.2f}x | {same}/{len(r.outputs)} |"
             )
     return "\n".join(lines)
 
@@ -280,7 +287,6 @@ def bench_model(title: str, load: Callable, names: list[str], rounds: int, bf16:
     eos = tokenizer.eos_token_id
     vocab = base.config.vocab_size
     workloads = [w for w in make_workloads(vocab) if w.name in names]
-    floors: dict[str, float] = {}
     options = dict(page_size=16, n_pages=1024, max_batch_size=8, max_batched_tokens=512)
     engine_model = copy.deepcopy(base)  # the engine switches its model to paged attention
     engines = {
@@ -296,48 +302,46 @@ def bench_model(title: str, load: Callable, names: list[str], rounds: int, bf16:
         continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=256, num_blocks=64, page_size=256),
     )
     manager.start()
-    rows: list[tuple[str, Result]] = []
-    blocks: list[tuple[str, list[Result]]] = []  # one per (round, workload)
+    blocks: list[Block] = []
     reference: dict[str, list[list[int]]] = {}
     try:
         for _ in range(rounds):
             for work in workloads:  # interleaved: every method runs each workload in turn
-                floors[work.name] = raw_forward_floor(base, vocab)  # re-measured: the machine drifts
+                floor = raw_forward_floor(base, vocab)  # re-measured each time: the machine drifts
                 hf = run_hf_generate(base, work, eos)
                 reference[work.name] = hf.outputs
-                batch = [hf, run_hf_continuous(manager, work)]
-                batch += [run_engine(engine, work, name) for name, engine in engines.items()]
-                rows += [(work.name, r) for r in batch]
-                blocks.append((work.name, batch))
-                print(
-                    "\n".join(table(title, rows[-len(batch) :], reference, floors).splitlines()[-len(batch) :]),
-                    flush=True,
-                )
+                results = [hf, run_hf_continuous(manager, work)]
+                results += [run_engine(engine, work, name) for name, engine in engines.items()]
+                blocks.append(Block(work.name, floor, results))
+                print("\n".join(table(title, blocks[-1:], reference).splitlines()[-len(results) :]), flush=True)
     finally:
         manager.stop(block=True, timeout=30)
         for engine in engines.values():
             engine.shutdown()
-    return table(title, rows, reference, floors) + "\n\nMedians over rounds:\n\n" + summary(blocks)
+    return table(title, blocks, reference) + "\n\nMedians over rounds:\n\n" + summary(blocks)
 
 
-def summary(blocks: list[tuple[str, list[Result]]]) -> str:
-    """Medians over rounds; each ratio is taken within its own round (one workload, every method in turn)."""
-    ratios: dict[tuple[str, str], list[tuple[float, float, float | None]]] = {}
-    for workload, results in blocks:
-        best = max(r.tok_s for r in results if r.method.startswith("transformers"))
-        generate = next(r.tok_s for r in results if r.method == "transformers generate")
-        for r in results:
-            ratios.setdefault((workload, r.method), []).append((r.tok_s / best, r.tok_s / generate, r.decode_ms))
+def summary(blocks: list[Block]) -> str:
+    """Medians over rounds; each ratio is taken within its own block."""
+    ratios: dict[tuple[str, str], list[tuple[float, float, float | None, float]]] = {}
+    for block in blocks:
+        for r in block.results:
+            vs_generate, vs_best = block.ratios(r)
+            ratios.setdefault((block.workload, r.method), []).append(
+                (vs_best, vs_generate, r.decode_ms, block.floor_ms)
+            )
     lines = [
-        "| workload | method | rounds | median vs best transformers | median vs generate | median decode ms |",
-        "|---|---|---|---|---|---|",
+        "| workload | method | rounds | median vs best transformers | median vs generate | median decode ms | "
+        "median step / floor |",
+        "|---|---|---|---|---|---|---|",
     ]
     for (workload, method), values in ratios.items():
-        decode = [d for _, _, d in values if d]
+        steps = [d / f for _, _, d, f in values if d]
+        decode = [d for _, _, d, _ in values if d]
         lines.append(
-            f"| {workload} | {method} | {len(values)} | {statistics.median(b for b, _, _ in values):.2f}x | "
-            f"{statistics.median(g for _, g, _ in values):.2f}x | "
-            + (f"{statistics.median(decode):.1f} |" if decode else "- |")
+            f"| {workload} | {method} | {len(values)} | {statistics.median(v[0] for v in values):.2f}x | "
+            f"{statistics.median(v[1] for v in values):.2f}x | "
+            + (f"{statistics.median(decode):.1f} | {statistics.median(steps):.2f} |" if decode else "- | - |")
         )
     return "\n".join(lines)
 
