@@ -48,7 +48,8 @@ WORDS = [
 ]
 PREFIXES = ["Once upon a time there was a little cat. ", "Lily and Tom went to the park. They played ", ""]
 MAX_NEW = 24
-WAIT_BOUND_S = 120.0  # no request may take longer than this, however loaded the engine is
+WAIT_BOUND_S = 120.0
+FINAL = {"finished", "cancelled", "failed"}  # no request may take longer than this, however loaded the engine is
 
 
 @dataclass
@@ -150,7 +151,7 @@ def run_soak(
     while engine.cache_stats()["used_pages"] and time.monotonic() < deadline:  # cancels land at the next step
         time.sleep(0.01)
     for batch, sampling, outcome in outcomes:
-        record(report, engine, batch, sampling, outcome, reference)
+        record(report, batch, sampling, outcome, reference)
     stats = engine.cache_stats()
     report.used_pages_after, report.evictions, report.preemptions = (
         stats["used_pages"],
@@ -166,7 +167,7 @@ def run_soak(
 
 @dataclass
 class Outcome:
-    request_ids: list[int]
+    infos: list[dict]  # the engine's final account of each request
     wait_s: float
 
 
@@ -181,12 +182,17 @@ def consume(engine: InferenceEngine, batch: list[str], sampling: dict, cancel: b
                 break
     except RequestFailedError:
         pass  # the stream cancels its other requests; record() reads each request's own status and error
-    return Outcome(stream.request_ids, time.monotonic() - started)
+    waited = time.monotonic() - started
+    deadline = time.monotonic() + 10  # a cancel lands at the engine's next step
+    while True:
+        infos = engine.request_info(stream.request_ids)
+        if all(i["status"] in FINAL for i in infos) or time.monotonic() > deadline:
+            return Outcome(infos, waited)
+        time.sleep(0.005)
 
 
 def record(
     report: SoakReport,
-    engine: InferenceEngine,
     batch: list[str],
     sampling: dict,
     outcome: Outcome,
@@ -195,7 +201,7 @@ def record(
     """Judge each request by the engine's own account of it: a failure must name its cause."""
     report.longest_wait_s = max(report.longest_wait_s, outcome.wait_s)
     report.hung += outcome.wait_s > WAIT_BOUND_S
-    for info, prompt in zip(engine.request_info(outcome.request_ids), batch, strict=True):
+    for info, prompt in zip(outcome.infos, batch, strict=True):
         report.outcomes[info["status"]] += 1
         if info["status"] == "failed" and "injected fault" not in (info["error"] or ""):
             report.unexplained_errors.append(info["error"] or "failed without a message")
