@@ -214,6 +214,10 @@ class Playground:
         events = engine.events(after=0 if fresh else state.get("seq", 0))
         evicted = set() if fresh else {e["page"] for e in events if e["kind"] == "page_evicted"}
         seq = events[-1]["seq"] if events else (0 if fresh else state.get("seq", 0))
+        stats = engine.cache_stats()
+        quiet = not fresh and not events and stats["steps"] == state.get("steps")
+        if quiet and state.get("settled"):  # nothing moved since the last drawing: spare the browser a redraw
+            return (*[gr.skip()] * 5, state)
         history, now = list(self.service.history), time.time()
         views = [self._page_view(engine, record, session, evicted) for record in engine.cache_snapshot()]
         return (
@@ -221,8 +225,8 @@ class Playground:
             charts.lru_chart(history, now),
             charts.hit_rate_chart(history, now),
             charts.page_map(views, lambda panel: f"panel {panel + 1}"),
-            stats_line(self.service, engine.cache_stats()),
-            {"engine": id(engine), "seq": seq},
+            stats_line(self.service, stats),
+            {"engine": id(engine), "seq": seq, "steps": stats["steps"], "settled": quiet},
         )
 
     def _page_view(self, engine: InferenceEngine, record: dict, session: str, evicted: set[int]) -> charts.PageView:

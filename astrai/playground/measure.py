@@ -1,4 +1,4 @@
-"""Measure the playground in headless Chromium: `python scripts/measure_ui.py`.
+"""Measure the playground in headless Chromium: `python -m astrai.playground.measure`.
 
 Prints: page load to interactive, click to first token visible, visible updates per second per panel (4 panels),
 and the cost of the live charts (frames per second and text updates per second with the Timer on vs off).
@@ -49,9 +49,8 @@ def pick_scenario(page: Page) -> None:
     page.wait_for_function("document.querySelector('#prompt_3 textarea').value.length > 0", timeout=30000)
 
 
-def one_run(page: Page, max_tokens: int) -> dict:
-    page.locator("#max_tokens input[type=number]").fill(str(max_tokens))
-    page.locator("#max_tokens input[type=number]").press("Enter")
+def one_run(page: Page) -> dict:
+    """One Run of the shared-prefix scenario (4 panels, 64 new tokens each)."""
     for i in range(4):  # clear the boxes so the probe sees the new run from its start
         page.evaluate(f"document.querySelector('#out_{i} textarea').value = ''")
     page.evaluate(PROBE)
@@ -80,7 +79,6 @@ def idle_fps(page: Page, seconds: float = 4.0) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     with launch_app() as url, sync_playwright() as pw:
@@ -101,7 +99,7 @@ def main() -> None:
         for live in (True, False):
             if page.locator("#live_charts input").is_checked() != live:
                 page.locator("#live_charts input").click()
-            runs = [one_run(page, args.max_tokens) for _ in range(args.runs)]
+            runs = [one_run(page) for _ in range(args.runs)]
             print(f"charts {'on ' if live else 'off'}: idle fps {idle_fps(page)}; runs: {runs}")
         browser.close()
 
