@@ -2,8 +2,25 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The tiny byte-level BPE tokenizer of astrai.testing (trained in a fraction of a second)."""
+    from astrai.testing import make_tokenizer
+
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    """A tiny random Llama; module scope, because an engine switches its attention implementation."""
+    from astrai.testing import make_model
+
+    return make_model("llama", len(tokenizer))

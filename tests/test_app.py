@@ -5,28 +5,19 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import time
 from pathlib import Path
 
 import pytest
 
 from astrai import InferenceEngine
+from astrai.playground import loadtest
+from astrai.playground.browser import CHROMIUM, open_playground
 from astrai.playground.loadtest import launch_app
 from astrai.playground.service import EMBEDDED_MODEL
+from astrai.testing import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 PREFIX = "Once upon a time, in a small village by the sea, there lived a kind old fisherman named Tom. "
 PANELS = ["One day, he found a", "One day, his cat", "One day, a big storm"]
 
@@ -46,27 +37,7 @@ def client(server_url):
 
 
 def run_args(panels: list[str], max_tokens: int) -> dict:
-    prompts = panels + [""] * (6 - len(panels))
-    return dict(
-        n_panels=len(panels),
-        shared_prefix=PREFIX,
-        **{f"prompt_{i + 1}": p for i, p in enumerate(prompts)},
-        max_tokens=max_tokens,
-        temperature=0,
-        top_p=1,
-        top_k=0,
-        seed=0,
-        isolate_cache=False,
-    )
-
-
-def wait_for(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
+    return loadtest.run_args(panels, max_tokens, PREFIX)
 
 
 def test_run_streams_every_panel_and_equals_the_engine(client):
@@ -92,10 +63,10 @@ def test_stop_cancels_and_releases_pages(client):
         outputs = job.outputs()
         return bool(outputs) and any(outputs[-1][: len(PANELS)])
 
-    assert wait_for(streaming, timeout=30)
+    assert wait_until(streaming, timeout=30)
     assert client.predict(api_name="/cache_stats")["used_pages"] > 0
     job.cancel()
-    assert wait_for(lambda: client.predict(api_name="/cache_stats")["used_pages"] == 0, timeout=10)
+    assert wait_until(lambda: client.predict(api_name="/cache_stats")["used_pages"] == 0, timeout=10)
 
 
 def test_bad_input_gets_a_clear_message(client):
@@ -111,17 +82,8 @@ def test_bad_input_gets_a_clear_message(client):
 def page(server_url):
     if not shutil.which(CHROMIUM):
         pytest.skip("Debian chromium is not installed (.ci/run installs it)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        context = browser.new_context(viewport={"width": 1400, "height": 1000})
-        context.route(re.compile(r"^https?://(?!127\.0\.0\.1)"), lambda route: route.abort())
-        pg = context.new_page()
-        pg.goto(server_url)
-        pg.wait_for_selector("#run_btn", state="visible", timeout=60000)
+    with open_playground(server_url) as pg:
         yield pg
-        browser.close()
 
 
 @pytest.mark.browser

@@ -10,32 +10,13 @@ import pytest
 
 from astrai import EngineClosedError, InferenceEngine, RequestFailedError
 from astrai.bad_inputs import BAD_CALLS, BAD_CHECKPOINTS, MAX_SEQ_LEN, PROMPT, report
-from astrai.testing import make_model, make_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return make_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return make_model("llama", len(tokenizer))
+from astrai.testing import wait_until
 
 
 @pytest.fixture
 def engine(model, tokenizer):
     with InferenceEngine(model, tokenizer, page_size=4, n_pages=64, max_seq_len=MAX_SEQ_LEN) as eng:
         yield eng
-
-
-def wait_until(predicate, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 def test_closing_a_stream_cancels_and_releases_pages(engine):

@@ -9,19 +9,8 @@ from astrai.kv_cache_manager import KVCacheManager
 from astrai.page_pool import PagePool
 from astrai.request import Request
 from astrai.sampling import SamplingParams
-from astrai.testing import make_model, make_tokenizer
 
 PAGE = 4
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return make_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return make_model("llama", len(tokenizer))
 
 
 @pytest.fixture

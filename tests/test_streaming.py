@@ -6,14 +6,9 @@ import pytest
 
 from astrai import InferenceEngine
 from astrai.detokenizer import REPLACEMENT, IncrementalDetokenizer
-from astrai.testing import make_model, make_tokenizer
+from astrai.testing import make_model
 
 PROMPTS = ["Once upon a time there was a little cat.", "The dog", "小猫在花园里玩。 😀", "Lily and Tom"]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return make_tokenizer()
 
 
 @pytest.fixture(scope="module")

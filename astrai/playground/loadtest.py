@@ -76,6 +76,22 @@ def launch_app(extra_env: dict[str, str] | None = None, log_path: Path | None = 
         log.close()
 
 
+def run_args(panels: list[str], max_tokens: int, prefix: str = PREFIX) -> dict:
+    """Keyword arguments of the /run endpoint for these panel prompts, greedy."""
+    prompts = panels + [""] * (6 - len(panels))
+    return dict(
+        n_panels=len(panels),
+        shared_prefix=prefix,
+        **{f"prompt_{i + 1}": p for i, p in enumerate(prompts)},
+        max_tokens=max_tokens,
+        temperature=0,
+        top_p=1,
+        top_k=0,
+        seed=0,
+        isolate_cache=False,
+    )
+
+
 @dataclass
 class LoadReport:
     outcomes: Counter = field(default_factory=Counter)  # completed / cancelled / busy / error
@@ -122,18 +138,7 @@ def run_load(
         rng = random.Random(seed * 1000 + index)
         client = Client(url, verbose=False)
         for _ in range(rounds):
-            prompts = rng.sample(PROMPTS, 4) + ["", ""]
-            args = dict(
-                n_panels=4,
-                shared_prefix=PREFIX,
-                **{f"prompt_{i + 1}": p for i, p in enumerate(prompts)},
-                max_tokens=max_tokens,
-                temperature=0,
-                top_p=1,
-                top_k=0,
-                seed=0,
-                isolate_cache=False,
-            )
+            args = run_args(rng.sample(PROMPTS, 4), max_tokens)
             outcome, ttft, total, error = one_run(client, args, rng.random() < cancel_rate, job_timeout)
             with lock:
                 report.outcomes[outcome] += 1

@@ -7,24 +7,14 @@ and the cost of the live charts (frames per second and text updates per second w
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import time
 
-from playwright.sync_api import Page, sync_playwright
+from playwright.sync_api import Page
 
+from astrai.playground.browser import open_playground
 from astrai.playground.loadtest import launch_app
 
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 # Counts animation frames and distinct visible texts of each output box, from inside the page.
 PROBE = """
 () => {
@@ -81,27 +71,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
-    with launch_app() as url, sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
-        context = browser.new_context(viewport={"width": 1400, "height": 1000})
-        context.route(re.compile(r"^https?://(?!127\.0\.0\.1)"), lambda route: route.abort())
-        page = context.new_page()
+    with launch_app() as url:
         started = time.perf_counter()
-        page.goto(url)
-        page.wait_for_selector("#run_btn", state="visible", timeout=60000)
-        interactive = time.perf_counter() - started
-        page.wait_for_selector("#plot_3 .js-plotly-plot", timeout=60000)
-        charts = time.perf_counter() - started
-        print(
-            f"page load to interactive (Run visible): {interactive * 1000:.0f} ms; charts drawn: {charts * 1000:.0f} ms"
-        )
-        pick_scenario(page)
-        for live in (True, False):
-            if page.locator("#live_charts input").is_checked() != live:
-                page.locator("#live_charts input").click()
-            runs = [one_run(page) for _ in range(args.runs)]
-            print(f"charts {'on ' if live else 'off'}: idle fps {idle_fps(page)}; runs: {runs}")
-        browser.close()
+        with open_playground(url) as page:
+            interactive = time.perf_counter() - started
+            page.wait_for_selector("#plot_3 .js-plotly-plot", timeout=60000)
+            charts = time.perf_counter() - started
+            print(
+                f"page load to interactive (Run visible): {interactive * 1000:.0f} ms; "
+                f"charts drawn: {charts * 1000:.0f} ms"
+            )
+            measure_runs(page, args.runs)
+
+
+def measure_runs(page: Page, runs: int) -> None:
+    """Click-to-token, update rate and frame rate for ``runs`` runs with the live charts on, then off."""
+    pick_scenario(page)
+    for live in (True, False):
+        if page.locator("#live_charts input").is_checked() != live:
+            page.locator("#live_charts input").click()
+        results = [one_run(page) for _ in range(runs)]
+        print(f"charts {'on ' if live else 'off'}: idle fps {idle_fps(page)}; runs: {results}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,38 @@
+"""Headless Debian Chromium driven by Playwright, offline: shared by the browser tests and the UI measurements."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+
+CHROMIUM = "/usr/bin/chromium"
+# No sandbox as root; no background networking, since this machine reaches nothing outside loopback.
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@contextlib.contextmanager
+def open_playground(url: str, timeout_ms: int = 60000) -> Iterator:
+    """A page showing the playground at ``url``, ready to click (the Run button is visible)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        context = browser.new_context(viewport={"width": 1400, "height": 1000})
+        context.route(re.compile(r"^https?://(?!127\.0\.0\.1)"), lambda route: route.abort())  # never stall
+        page = context.new_page()
+        page.goto(url)
+        page.wait_for_selector("#run_btn", state="visible", timeout=timeout_ms)
+        try:
+            yield page
+        finally:
+            browser.close()
