@@ -152,3 +152,10 @@ def test_another_session_never_sees_my_text_and_isolation_works(server_url):
 
     assert bob_cached(isolate=True) == 0  # his salted namespace cannot see Alice's pages
     assert bob_cached(isolate=False) > 0  # the shared namespace hits them (without showing her text)
+
+
+def test_a_model_that_cannot_load_leaves_the_current_one_serving(client):
+    status = client.predict("Qwen3-0.6B (hub)", 16, 256, 8, True, "float32", api_name="/apply_settings")
+    assert "Could not load" in status and "Still serving **tinystories-llama" in status
+    outputs = client.predict(**run_args(PANELS[:1], 4), api_name="/run")
+    assert outputs[0], "the embedded model still answers"
