@@ -17,6 +17,13 @@ class Scenario:
     settings: EngineSettings = field(default_factory=EngineSettings)
 
 
+# Both "same page" prompts end with this after a first sentence of equal token count, so from the second page on
+# their pages hold equal tokens (checked by tests/test_scenarios.py).
+SHARED_TAIL = (
+    "She liked to play in the park with her friends every day after school. They ran, jumped and laughed "
+    "until the sun went down and it was time to go home."
+)
+
 SCENARIOS = [
     Scenario(
         name="Shared system prompt",
@@ -63,8 +70,8 @@ SCENARIOS = [
         explanation="Both prompts end with the same long sentence, starting at the same offset, so their later pages "
         "hold equal tokens. They still do not hit: a page's key chains the hash of every page before it.",
         prompts=[
-            "Lily had a red ball. She liked to play in the park with her friends every day after school.",
-            "Tom had a big kite. She liked to play in the park with her friends every day after school.",
+            "Lily had a red ball. " + SHARED_TAIL,
+            "Tom had a big kite. " + SHARED_TAIL,
         ],
     ),
     Scenario(

@@ -1,0 +1,50 @@
+"""The scenarios teach what they say: checked against the embedded model's tokenizer and the engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from astrai import InferenceEngine
+from astrai.playground.scenarios import SCENARIO_BY_NAME
+from astrai.playground.service import EMBEDDED_MODEL
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with InferenceEngine.from_pretrained(EMBEDDED_MODEL, page_size=16, n_pages=256) as eng:
+        yield eng
+
+
+def cached(engine: InferenceEngine, prompts: list[str], **kwargs) -> list[int]:
+    stream = engine.generate(prompts, stream=True, **kwargs)
+    list(stream)
+    return [info["cached_tokens"] for info in engine.request_info(stream.request_ids)]
+
+
+def test_same_page_different_prefix_has_equal_full_pages_that_do_not_hit(engine):
+    scenario = SCENARIO_BY_NAME["Same page, different prefix"]
+    a, b = (engine.tokenizer(p).input_ids for p in scenario.prompts)
+    equal_full_pages = [k for k in range(1, (len(b) - 1) // 16) if a[16 * k : 16 * (k + 1)] == b[16 * k : 16 * (k + 1)]]
+    assert equal_full_pages, "the lesson needs a full page with equal tokens after page 0"
+    engine.clear()
+    assert cached(engine, scenario.prompts[:1], max_tokens=1) == [0]
+    assert cached(engine, scenario.prompts[1:], max_tokens=1) == [0]  # the chained key refuses them
+
+
+def test_shared_system_prompt_hits_in_the_first_run(engine):
+    scenario = SCENARIO_BY_NAME["Shared system prompt"]
+    engine.clear()
+    hits = cached(engine, [scenario.prefix + p for p in scenario.prompts], max_tokens=2)
+    assert hits[0] == 0 and min(hits[1:]) >= 32
+
+
+def test_eviction_pressure_evicts_and_preempts():
+    scenario = SCENARIO_BY_NAME["Eviction pressure (small pool)"]
+    s = scenario.settings
+    with InferenceEngine.from_pretrained(
+        EMBEDDED_MODEL, page_size=s.page_size, n_pages=s.n_pages, max_batch_size=s.max_batch_size
+    ) as engine:
+        for _ in range(2):
+            engine.generate(scenario.prompts, max_tokens=scenario.max_tokens)
+        stats = engine.cache_stats()
+    assert stats["evictions"] > 0 and stats["preemptions"] > 0 and stats["used_pages"] == 0
