@@ -77,15 +77,6 @@ class InferenceEngine:
         model_limit = getattr(model.config, "max_position_embeddings", None) or n_pages * page_size
         self.max_seq_len = min(max_seq_len or model_limit, model_limit)
         self.tokenizer = tokenizer
-        self.config = dict(
-            page_size=page_size,
-            n_pages=n_pages,
-            max_batch_size=max_batch_size,
-            max_seq_len=self.max_seq_len,
-            max_batched_tokens=max_batched_tokens,
-            prefix_caching=prefix_caching,
-            dtype=dtype,
-        )
         self.eos_ids = _eos_ids(model, tokenizer)
 
         self._events: deque[dict] = deque(maxlen=event_log_size)

@@ -80,7 +80,6 @@ class EngineService:
     origins: dict[int, int] = field(default_factory=dict)  # cached page -> the request that stored it
     history: deque[Sample] = field(default_factory=lambda: deque(maxlen=HISTORY_POINTS))
     _lock: threading.RLock = field(default_factory=threading.RLock)
-    _stop: threading.Event = field(default_factory=threading.Event)
 
     def start(self) -> EngineService:
         self.engine = self._build(self.model_label, self.settings)
@@ -145,7 +144,8 @@ class EngineService:
         return owner.session if owner else None
 
     def _sample_loop(self) -> None:
-        while not self._stop.wait(SAMPLE_SECONDS):
+        while True:  # a daemon thread: it ends with the app
+            time.sleep(SAMPLE_SECONDS)
             try:
                 stats = self.current().cache_stats()
             except Exception:  # an engine swap in progress: try again next tick
@@ -161,8 +161,3 @@ class EngineService:
                     evictions=stats["evictions"],
                 )
             )
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self.engine is not None:
-            self.engine.shutdown()
