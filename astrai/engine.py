@@ -56,6 +56,7 @@ class InferenceEngine:
         max_batched_tokens: int = 512,
         prefix_caching: bool = True,
         dtype: str = "float32",
+        packed_weights: bool = True,
         event_log_size: int = 4096,
         on_event: Callable[[dict], None] | None = None,
     ):
@@ -68,6 +69,9 @@ class InferenceEngine:
         ):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name, flag in (("prefix_caching", prefix_caching), ("packed_weights", packed_weights)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
         torch_dtype = SUPPORTED_DTYPES[dtype]
         if n_pages is None:
             budget = (memory_budget_mb or 256) * 2**20
@@ -85,7 +89,7 @@ class InferenceEngine:
         self.pool = PagePool(n_pages, page_size, on_event=self._emit)
         self.cache = KVCacheManager(self.pool, prefix_caching)
         self.scheduler = Scheduler(self.cache, max_batch_size, max_batched_tokens, self._emit)
-        self.runner = ModelRunner(model, n_pages, page_size, torch_dtype)
+        self.runner = ModelRunner(model, n_pages, page_size, torch_dtype, packed_weights)
 
         self._lock = threading.Condition(threading.RLock())
         self._cancelled: set[int] = set()
@@ -252,7 +256,7 @@ class InferenceEngine:
             return [_info(self._requests[i]) for i in request_ids if i in self._requests]
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the loop; every unfinished request's consumer gets an EngineClosedError."""
+        """Stop the loop, which hands the model back as it came; unfinished requests get an EngineClosedError."""
         with self._lock:
             if self._closed:
                 return
@@ -264,7 +268,6 @@ class InferenceEngine:
                 list(self.scheduler.running) + list(self.scheduler.waiting),
                 EngineClosedError("the engine was shut down before this request finished"),
             )
-        self.runner.restore()
 
     def __enter__(self) -> InferenceEngine:
         return self
@@ -337,6 +340,8 @@ class InferenceEngine:
                     list(self.scheduler.running) + list(self.scheduler.waiting),
                     EngineClosedError(f"the engine loop died: {exc!r}"),
                 )
+        finally:  # here, not in shutdown(): a step still running must never see its model change under it
+            self.runner.restore()
 
     def _step(self) -> None:
         """Schedule, run the model, sample, and stream. A failure fails only this step's requests."""

@@ -2,7 +2,7 @@
 
 The model definition is transformers' own; the runner only switches its attention implementation to ours,
 owns the KV tensors, flattens the scheduled requests into one ``[1, T]`` row and computes logits just for the
-rows that sample.
+rows that sample. Unless told not to, it packs the model's linear weights for oneDNN (``packed_linear.py``).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from astrai.attention import ATTN_IMPLEMENTATION, build_paged_batch
+from astrai.packed_linear import pack_linears, packing_supported, unpack_linears
 from astrai.request import Request
 
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -39,12 +40,15 @@ def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, n_pages: int, page_size: int, dtype: torch.dtype):
+    def __init__(
+        self, model: PreTrainedModel, n_pages: int, page_size: int, dtype: torch.dtype, packed_weights: bool = True
+    ):
         config = model.config
         check_supported(config)
         self.model = model.to(dtype).eval()
         self.previous_attn = config._attn_implementation
         self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self.packed_linears = pack_linears(self.model) if packed_weights and packing_supported(dtype) else 0
         self.page_size = page_size
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -57,7 +61,8 @@ class ModelRunner:
         ]
 
     def restore(self) -> None:
-        """Give the model back its original attention implementation (the caller may use it elsewhere)."""
+        """Give the model back its original attention and linear layers (the caller may use it elsewhere)."""
+        unpack_linears(self.model)
         self.model.set_attn_implementation(self.previous_attn)
 
     @torch.inference_mode()

@@ -46,6 +46,7 @@ def test_greedy_equals_transformers(family, prefix_caching, pool):
     with InferenceEngine(
         model, tokenizer, page_size=PAGE, n_pages=n_pages, max_batch_size=6, prefix_caching=prefix_caching
     ) as engine:
+        assert engine.runner.packed_linears > 0  # the default path: oneDNN-packed weights
         for _ in range(2):  # the second round runs with the cache warm
             texts, ids = run_batch(engine, PROMPTS)
             assert ids == refs
@@ -67,6 +68,15 @@ def test_chunked_prefill_equals_transformers(family):
     """A prompt longer than the per-step token budget is prefilled over several steps, with the same result."""
     model, tokenizer, refs, _ = family
     with InferenceEngine(model, tokenizer, page_size=PAGE, n_pages=128, max_batched_tokens=7) as engine:
+        _, ids = run_batch(engine, PROMPTS)
+    assert ids == refs
+
+
+def test_plain_weights_equal_transformers(family):
+    """With weight packing switched off, the engine runs transformers' own linear layers, with the same result."""
+    model, tokenizer, refs, _ = family
+    with InferenceEngine(model, tokenizer, page_size=PAGE, n_pages=128, packed_weights=False) as engine:
+        assert engine.runner.packed_linears == 0
         _, ids = run_batch(engine, PROMPTS)
     assert ids == refs
 
