@@ -5,9 +5,11 @@ model's own layers (projections, RoPE, norms) run once for the whole batch. Only
 each request's KV lives; transformers hands it the extra ``paged_batch`` kwarg unchanged.
 
 Per layer, the function first writes the new K/V into their slots, then lets each request attend to its own
-pages only. Requests with one query token (decodes) are attended in one batched call; multi-token chunks
-(prefills) one by one with a causal mask over their own context. GQA is served without copying repeated heads:
-the query heads of one KV group are folded into extra query rows.
+pages only. Requests with one query token (decodes) are attended together with two batched matmuls and a float32
+softmax: with a handful of query rows per KV head, that beats the flash kernel in bfloat16 (0.30 against 0.42 ms
+per layer for 8 requests at 300 tokens) and matches it in float32. Multi-token chunks (prefills) go one by one
+through ``scaled_dot_product_attention`` with a causal mask over their own context. GQA is served without copying
+repeated heads: the query heads of one KV group are folded into extra query rows.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class PagedBatch:
     slot_mapping: torch.Tensor  # [T] slot each new token's K/V is written to
     decode_rows: torch.Tensor  # [Bd] rows with a single query token
     decode_slots: torch.Tensor  # [Bd * Lmax] context slots of each decode row, padded, flattened
-    decode_mask: torch.Tensor | None  # [1, Bd, 1, Lmax] or None when no padding
+    decode_bias: torch.Tensor | None  # [1, Bd, 1, Lmax] float32, -inf on padding; None when there is none
     decode_covers_all: bool  # every row is a decode row: skip the scatter
     prefills: list[PrefillChunk]
 
@@ -71,16 +73,16 @@ def build_paged_batch(
         row += count
     longest = max((len(s) for s in decode_slots), default=0)
     padded = torch.zeros(len(decode_slots), longest, dtype=torch.long)
-    mask = torch.zeros(1, len(decode_slots), 1, longest, dtype=torch.bool)
+    bias = torch.zeros(1, len(decode_slots), 1, longest)
     for i, slots in enumerate(decode_slots):
         padded[i, : len(slots)] = slots
-        mask[0, i, :, : len(slots)] = True
+        bias[0, i, :, len(slots) :] = float("-inf")
     return PagedBatch(
         kv_cache=kv_cache,
         slot_mapping=torch.cat(new_slots),
         decode_rows=torch.tensor(decode_rows, dtype=torch.long),
         decode_slots=padded.flatten(),
-        decode_mask=None if bool(mask.all()) else mask,
+        decode_bias=bias if any(len(s) < longest for s in decode_slots) else None,
         decode_covers_all=len(decode_rows) == row,
         prefills=prefills,
     )
@@ -106,6 +108,7 @@ def paged_attention(
     heads, rows, head_dim = query.shape[1], query.shape[2], query.shape[3]
     kv_heads = k_cache.shape[0]
     groups = heads // kv_heads
+    scale = scaling if scaling is not None else head_dim**-0.5
     q = query[0]  # [H, T, D]
     out = query.new_empty(rows, heads, head_dim)
 
@@ -118,7 +121,10 @@ def paged_attention(
         q_dec = q_dec.view(kv_heads, groups, n, head_dim).transpose(1, 2)  # [KVH, Bd, G, D]
         k = k_cache.index_select(1, batch.decode_slots).view(kv_heads, n, -1, head_dim)  # [KVH, Bd, L, D]
         v = v_cache.index_select(1, batch.decode_slots).view(kv_heads, n, -1, head_dim)
-        res = F.scaled_dot_product_attention(q_dec, k, v, attn_mask=batch.decode_mask, scale=scaling)
+        scores = torch.matmul(q_dec, k.transpose(-1, -2)).float() * scale  # [KVH, Bd, G, L]
+        if batch.decode_bias is not None:
+            scores += batch.decode_bias
+        res = torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)
         res = res.permute(1, 0, 2, 3).reshape(n, heads, head_dim)
         if batch.decode_covers_all:
             out = res
@@ -129,7 +135,7 @@ def paged_attention(
         q_pre = q[:, chunk.start : chunk.start + chunk.length].reshape(1, kv_heads, groups * chunk.length, head_dim)
         k = k_cache.index_select(1, chunk.key_slots).unsqueeze(0)  # [1, KVH, L, D]
         v = v_cache.index_select(1, chunk.key_slots).unsqueeze(0)
-        res = F.scaled_dot_product_attention(q_pre, k, v, attn_mask=chunk.mask, scale=scaling)
+        res = F.scaled_dot_product_attention(q_pre, k, v, attn_mask=chunk.mask, scale=scale)
         res = res.reshape(heads, chunk.length, head_dim).transpose(0, 1)
         out[chunk.start : chunk.start + chunk.length] = res
     return out.unsqueeze(0), None

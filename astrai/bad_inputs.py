@@ -75,6 +75,13 @@ def report() -> str:
             still_serves = bool(engine.generate(PROMPT, max_tokens=2))
             rows.append((bad.case, seen, still_serves))
         tokenizer, model = engine.tokenizer, engine.runner.model
+        rows.append(
+            (
+                "a model already serving another engine",
+                _outcome(lambda: InferenceEngine(model, tokenizer, page_size=4, n_pages=8)),
+                bool(engine.generate(PROMPT, max_tokens=2)),
+            )
+        )
     with InferenceEngine(model, tokenizer, page_size=4, n_pages=4) as tiny:
         rows.append(
             (

@@ -45,6 +45,8 @@ class ModelRunner:
     ):
         config = model.config
         check_supported(config)
+        if config._attn_implementation == ATTN_IMPLEMENTATION:  # its layers are re-wired for another engine
+            raise ValueError("this model already serves another InferenceEngine: shut that one down, or pass a copy")
         self.model = model.to(dtype).eval()
         self.previous_attn = config._attn_implementation
         self.model.set_attn_implementation(ATTN_IMPLEMENTATION)

@@ -80,9 +80,18 @@ def test_bad_input_gets_a_clear_error_and_loses_nothing(engine, bad):
 
 def test_the_bad_input_report_lists_every_case_with_its_error():
     rows = report().splitlines()[2:]
-    assert len(rows) == len(BAD_CALLS) + 1 + 1 + len(BAD_CHECKPOINTS)  # + pool overflow + unknown model id
+    # + a model shared by two engines + pool overflow + unknown model id
+    assert len(rows) == len(BAD_CALLS) + 3 + len(BAD_CHECKPOINTS)
     assert all(re.search(r"\| `(ValueError|TypeError|ModelLoadError)`: \w", row) for row in rows), rows
     assert not any(row.endswith("| NO |") for row in rows)
+
+
+def test_a_model_cannot_serve_two_engines_at_once(engine):
+    """The second engine would re-wire the first one's layers under it; it is refused, and the first serves on."""
+    expected = engine.generate(PROMPT, max_tokens=6)
+    with pytest.raises(ValueError, match="already serves another InferenceEngine"):
+        InferenceEngine(engine.runner.model, engine.tokenizer, page_size=4, n_pages=8)
+    assert engine.generate(PROMPT, max_tokens=6) == expected
 
 
 def test_a_prompt_larger_than_the_pool_is_rejected_at_submit(model, tokenizer):
