@@ -47,20 +47,25 @@ class ModelRunner:
         check_supported(config)
         if config._attn_implementation == ATTN_IMPLEMENTATION:  # its layers are re-wired for another engine
             raise ValueError("this model already serves another InferenceEngine: shut that one down, or pass a copy")
-        self.model = model.to(dtype).eval()
-        self.previous_attn = config._attn_implementation
-        self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        self.packed_linears = pack_linears(self.model) if packed_weights and packing_supported(dtype) else 0
         self.page_size = page_size
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         self.groups = heads // kv_heads
         slots = n_pages * page_size
+        # the KV tensors first: a pool too large for memory fails here, before the model is touched
         self.kv_cache = [
             (torch.zeros(kv_heads, slots, head_dim, dtype=dtype), torch.zeros(kv_heads, slots, head_dim, dtype=dtype))
             for _ in range(config.num_hidden_layers)
         ]
+        self.model = model.to(dtype).eval()
+        self.previous_attn = config._attn_implementation
+        self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        try:
+            self.packed_linears = pack_linears(self.model) if packed_weights and packing_supported(dtype) else 0
+        except Exception:
+            self.restore()
+            raise
 
     def restore(self) -> None:
         """Give the model back its original attention and linear layers (the caller may use it elsewhere)."""

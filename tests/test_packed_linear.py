@@ -60,3 +60,28 @@ def test_the_engine_hands_its_model_back_unpacked(tokenizer):
         engine.generate("Once upon a time", max_tokens=8)
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
     assert reference_generate(model, tokenizer, "Once upon a time", 8) == expected
+
+
+def test_a_failure_while_packing_leaves_the_model_as_it_was(tokenizer, monkeypatch):
+    import astrai.packed_linear as packed_linear
+
+    model = make_model("llama", len(tokenizer))
+    expected = reference_generate(model, tokenizer, "Once upon a time", 8)
+    made = []
+
+    class FailingOnThird(PackedLinear):
+        def __init__(self, linear: nn.Linear, release: bool):
+            if len(made) == 2:
+                raise RuntimeError("simulated oneDNN failure")
+            super().__init__(linear, release)
+            made.append(self)
+
+    monkeypatch.setattr(packed_linear, "PackedLinear", FailingOnThird)
+    with pytest.raises(RuntimeError, match="simulated oneDNN failure"):
+        InferenceEngine(model, tokenizer, page_size=4, n_pages=64)
+    monkeypatch.undo()
+
+    assert len(made) == 2 and not any(isinstance(m, PackedLinear) for m in model.modules())
+    assert reference_generate(model, tokenizer, "Once upon a time", 8) == expected
+    with InferenceEngine(model, tokenizer, page_size=4, n_pages=64) as engine:  # not "already serves"
+        assert engine.generate("Once upon a time", max_tokens=8)
