@@ -7,12 +7,16 @@ rows that sample. Unless told not to, it packs the model's linear weights for on
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from astrai.attention import ATTN_IMPLEMENTATION, build_paged_batch
 from astrai.packed_linear import pack_linears, packing_supported, unpack_linears
 from astrai.request import Request
+
+log = logging.getLogger("astrai")
 
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -61,11 +65,16 @@ class ModelRunner:
         self.model = model.to(dtype).eval()
         self.previous_attn = config._attn_implementation
         self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self.packed_linears = self._pack() if packed_weights and packing_supported(dtype) else 0
+
+    def _pack(self) -> int:
+        """Packing is only a speed-up: where oneDNN refuses a weight, the model keeps its own layers."""
         try:
-            self.packed_linears = pack_linears(self.model) if packed_weights and packing_supported(dtype) else 0
+            return pack_linears(self.model)
         except Exception:
-            self.restore()
-            raise
+            unpack_linears(self.model)
+            log.warning("oneDNN weight packing failed; serving with the model's own linear layers", exc_info=True)
+            return 0
 
     def restore(self) -> None:
         """Give the model back its original attention and linear layers (the caller may use it elsewhere)."""

@@ -62,9 +62,8 @@ def test_the_engine_hands_its_model_back_unpacked(tokenizer):
     assert reference_generate(model, tokenizer, "Once upon a time", 8) == expected
 
 
-def test_a_failure_while_packing_leaves_the_model_as_it_was(tokenizer, monkeypatch):
-    import astrai.packed_linear as packed_linear
-
+def test_a_failure_while_packing_falls_back_to_plain_weights(tokenizer, monkeypatch, caplog):
+    """Packing is an optimization: if oneDNN refuses a weight half-way, the engine serves with plain layers."""
     model = make_model("llama", len(tokenizer))
     expected = reference_generate(model, tokenizer, "Once upon a time", 8)
     made = []
@@ -76,12 +75,11 @@ def test_a_failure_while_packing_leaves_the_model_as_it_was(tokenizer, monkeypat
             super().__init__(linear, release)
             made.append(self)
 
-    monkeypatch.setattr(packed_linear, "PackedLinear", FailingOnThird)
-    with pytest.raises(RuntimeError, match="simulated oneDNN failure"):
-        InferenceEngine(model, tokenizer, page_size=4, n_pages=64)
-    monkeypatch.undo()
-
-    assert len(made) == 2 and not any(isinstance(m, PackedLinear) for m in model.modules())
+    monkeypatch.setattr("astrai.packed_linear.PackedLinear", FailingOnThird)
+    with InferenceEngine(model, tokenizer, page_size=4, n_pages=64) as engine:
+        assert len(made) == 2 and engine.runner.packed_linears == 0
+        assert not any(isinstance(m, PackedLinear) for m in model.modules())
+        text = engine.generate("Once upon a time", max_tokens=8)
+    assert text == tokenizer.decode(expected, skip_special_tokens=True)
+    assert "weight packing failed" in caplog.text
     assert reference_generate(model, tokenizer, "Once upon a time", 8) == expected
-    with InferenceEngine(model, tokenizer, page_size=4, n_pages=64) as engine:  # not "already serves"
-        assert engine.generate("Once upon a time", max_tokens=8)
