@@ -8,7 +8,7 @@ SmolLM2-135M-shaped float32 decode step 1.4-1.6x faster, and 512-row products (p
 
 The model's architecture is untouched: each ``nn.Linear`` module is swapped for a ``PackedLinear`` that computes
 the same product, and ``unpack_linears`` puts the original modules, with their exact weights, back. The two oneDNN
-ops are torch-internal (``torch.ops.mkldnn``, stable across 2.x and pinned here); where packing fails, the runner
+ops are torch-internal (``torch.ops.mkldnn``, the ones inductor uses; torch is pinned); where packing fails, the runner
 falls back to the model's own layers.
 """
 
