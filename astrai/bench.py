@@ -330,10 +330,10 @@ def summary(blocks: list[Block]) -> str:
     """
     ratios: dict[tuple[str, str], list[tuple[float, float, float | None, float, float | None]]] = {}
     for block in blocks:
-        engine = next(r.decode_ms for r in block.results if r.method == DEFAULT_ENGINE)
+        engine_ms = next(r.decode_ms for r in block.results if r.method == DEFAULT_ENGINE)
         for r in block.results:
             vs_generate, vs_best = block.ratios(r)
-            speed = engine / r.decode_ms if engine and r.decode_ms else None
+            speed = engine_ms / r.decode_ms if engine_ms and r.decode_ms else None
             ratios.setdefault((block.workload, r.method), []).append(
                 (vs_best, vs_generate, r.decode_ms, block.floor_ms, speed)
             )
