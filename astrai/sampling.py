@@ -46,6 +46,7 @@ def _is_real(value: object) -> bool:
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """One next token per row. Greedy rows take the argmax; the others are masked and sampled in one pass.
 
+    Order of the cuts: temperature, then top-k, then top-p on the renormalized top-k distribution.
     Sampling uses the exponential-race trick (argmax of p / Exp(1) noise): the noise for each row comes from
     that request's own generator, so a seeded request draws the same tokens whatever else is in the batch.
     """
@@ -59,10 +60,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         top_p = torch.tensor([params[i].top_p for i in rows]).unsqueeze(1)
         sorted_logits, order = (sub / temperature).sort(dim=-1, descending=True)
         rank = torch.arange(sub.shape[-1]).unsqueeze(0)
-        probs = sorted_logits.softmax(dim=-1)
+        # top-k first, then top-p over the distribution renormalized after the cut (as transformers and vLLM do)
+        probs = sorted_logits.masked_fill(rank >= top_k, -math.inf).softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
-        drop = (rank >= top_k) | (mass_before >= top_p)
-        probs = probs.masked_fill(drop, 0.0)
+        probs = probs.masked_fill(mass_before >= top_p, 0.0)
         noise = torch.stack([torch.empty(sub.shape[-1]).exponential_(generator=generators[i]) for i in rows])
         picked = (probs / noise).argmax(dim=-1)
         tokens[rows] = order.gather(1, picked.unsqueeze(1)).squeeze(1)
