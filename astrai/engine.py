@@ -7,8 +7,7 @@ import queue
 import random
 import threading
 import time
-from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections import Counter, OrderedDict, deque
 from typing import Any
 
 import torch
@@ -17,6 +16,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from astrai.detokenizer import IncrementalDetokenizer
 from astrai.kv_cache_manager import KVCacheManager
 from astrai.model_runner import SUPPORTED_DTYPES, ModelRunner, check_supported, kv_bytes_per_token
+from astrai.observation import (
+    CacheCleared,
+    CacheStats,
+    EngineEvent,
+    PageRecord,
+    RequestFinished,
+    RequestInfo,
+    StepSample,
+)
 from astrai.page_pool import PagePool
 from astrai.request import Request, Status
 from astrai.sampling import MAX_SEED, SamplingParams, sample
@@ -24,8 +32,6 @@ from astrai.scheduler import Scheduler
 from astrai.streams import GenerationStream
 
 log = logging.getLogger("astrai")
-
-KEEP_FINISHED = 512  # finished requests kept for request_info()
 
 
 class EngineClosedError(RuntimeError):
@@ -41,7 +47,24 @@ class RequestFailedError(RuntimeError):
 
 
 class InferenceEngine:
-    """A paged-KV, prefix-caching, continuously batching engine over a transformers causal LM."""
+    """A paged-KV, prefix-caching, continuously batching engine over a transformers causal LM.
+
+    Threads and locks (who owns what):
+
+    * The **loop thread** (``astrai-engine``) is the only writer of the scheduler, the cache manager, the page pool,
+      the requests' progress and the model runner. It mutates them under ``_lock`` and runs the forward *outside*
+      it, reading only what no other thread writes (the scheduled requests' tokens and page tables).
+    * **Caller threads** (``generate``, ``cancel``, ``clear``, the readers) take ``_lock`` for a short critical
+      section: submit appends to the waiting queue, ``cancel`` records ids that the loop applies at its next step,
+      ``clear`` unindexes cached pages. ``_work_arrived`` (a Condition on ``_lock``) wakes the idle loop.
+    * **Observations** (events and the per-step history) sit behind their own ``_observed_lock``, taken after
+      ``_lock`` (never the other way round) and held only to append or copy. ``events()`` and ``history()`` never
+      wait for a schedule or a forward.
+    * No user code runs under either lock: text deltas and errors are put on the consumers' queues after
+      ``_lock`` is released, and only by the loop thread, so each stream sees its items in order.
+    * ``shutdown()`` only flags the loop and waits; the loop itself fails what is left and hands the model back,
+      so a forward that is still running never sees its pages freed or its model changed.
+    """
 
     def __init__(
         self,
@@ -58,7 +81,8 @@ class InferenceEngine:
         dtype: str = "float32",
         packed_weights: bool = True,
         event_log_size: int = 4096,
-        on_event: Callable[[dict], None] | None = None,
+        history_size: int = 4096,
+        keep_finished: int = 512,
     ):
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(SUPPORTED_DTYPES)}, got {dtype!r}")
@@ -66,8 +90,11 @@ class InferenceEngine:
             ("page_size", page_size),
             ("max_batch_size", max_batch_size),
             ("max_batched_tokens", max_batched_tokens),
+            ("event_log_size", event_log_size),
+            ("history_size", history_size),
+            ("keep_finished", keep_finished),
         ):
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         for name, flag in (("prefix_caching", prefix_caching), ("packed_weights", packed_weights)):
             if not isinstance(flag, bool):
@@ -83,23 +110,27 @@ class InferenceEngine:
         self.tokenizer = tokenizer
         self.eos_ids = _eos_ids(model, tokenizer)
 
-        self._events: deque[dict] = deque(maxlen=event_log_size)
+        self._lock = threading.RLock()  # the engine's state: scheduler, cache, pool, requests, outputs
+        self._work_arrived = threading.Condition(self._lock)  # notified on submit, cancel and shutdown
+        self._observed_lock = threading.Lock()  # the event log and the step history only
+        self._events: deque[EngineEvent] = deque(maxlen=event_log_size)
         self._event_seq = 0
-        self._on_event = on_event
-        self.pool = PagePool(n_pages, page_size, on_event=self._emit)
+        self._history: deque[StepSample] = deque(maxlen=history_size)
+        self.steps = 0  # completed steps; events of the step in progress carry steps + 1
+
+        self.pool = PagePool(n_pages, page_size, emit=self._emit)
         self.cache = KVCacheManager(self.pool, prefix_caching)
         self.scheduler = Scheduler(self.cache, max_batch_size, max_batched_tokens, self._emit)
         self.runner = ModelRunner(model, n_pages, page_size, torch_dtype, packed_weights)
 
-        self._lock = threading.Condition(threading.RLock())
         self._cancelled: set[int] = set()
         self._outputs: dict[int, tuple[queue.SimpleQueue, int, IncrementalDetokenizer]] = {}
-        self._requests: OrderedDict[int, Request] = OrderedDict()
+        self._live: dict[int, Request] = {}  # waiting or running: bounded by the queues themselves
+        self._ended: OrderedDict[int, Request] = OrderedDict()  # the last ``keep_finished`` ended requests
+        self._keep_finished = keep_finished
+        self._ended_counts: Counter[str] = Counter()
         self._closed = False
         self._loop_error: BaseException | None = None
-        self.steps = 0
-        # (tokens computed, requests, seconds) of recent steps: forward plus sampling, for benchmarks and the UI
-        self.step_log: deque[tuple[int, int, float]] = deque(maxlen=4096)
         self._thread = threading.Thread(target=self._loop, name="astrai-engine", daemon=True)
         self._thread.start()
 
@@ -167,9 +198,9 @@ class InferenceEngine:
             self._check_alive()
             for index, req in enumerate(requests):
                 self._outputs[req.id] = (items, index, IncrementalDetokenizer(self.tokenizer))
-                self._remember(req)
+                self._live[req.id] = req
                 self.scheduler.add(req)
-            self._lock.notify_all()
+            self._work_arrived.notify_all()
         out = GenerationStream([r.id for r in requests], items, self.cancel, self._check_alive, indexed=not single)
         if stream:
             return out
@@ -182,20 +213,21 @@ class InferenceEngine:
         """Cancel requests; the loop releases their pages at the start of its next step."""
         with self._lock:
             self._cancelled.update(request_ids)
-            self._lock.notify_all()
+            self._work_arrived.notify_all()
 
     def clear(self) -> int:
         """Empty the prefix cache (cached pages become free). Safe while requests run. Returns pages freed."""
         with self._lock:
             freed = self.cache.clear()
-            self._emit("cache_cleared", {"pages": freed})
+            self._emit(CacheCleared, pages=freed)
             return freed
 
-    def cache_stats(self) -> dict[str, Any]:
+    # ----- the observation API ----------------------------------------------------------------------------
+    def cache_stats(self) -> CacheStats:
         with self._lock:
             pool, cache = self.pool, self.cache
             hit_rate, recent = cache.hit_rates()
-            return dict(
+            return CacheStats(
                 n_pages=pool.n_pages,
                 page_size=pool.page_size,
                 free_pages=pool.free_pages,
@@ -203,6 +235,8 @@ class InferenceEngine:
                 cached_pages=pool.cached_pages,
                 query_tokens=cache.query_tokens,
                 hit_tokens=cache.hit_tokens,
+                readmitted_query_tokens=cache.readmitted_query_tokens,
+                readmitted_hit_tokens=cache.readmitted_hit_tokens,
                 hit_rate=hit_rate,
                 recent_hit_rate=recent,
                 evictions=pool.stats.evictions,
@@ -210,12 +244,18 @@ class InferenceEngine:
                 preemptions=self.scheduler.preemptions,
                 running=len(self.scheduler.running),
                 waiting=len(self.scheduler.waiting),
+                finished=self._ended_counts[Status.FINISHED],
+                cancelled=self._ended_counts[Status.CANCELLED],
+                failed=self._ended_counts[Status.FAILED],
                 steps=self.steps,
                 prefix_caching=cache.prefix_caching,
             )
 
-    def cache_snapshot(self) -> list[dict[str, Any]]:
-        """One record per page: state, ref count, LRU rank, owning requests, chain position and token ids."""
+    def cache_snapshot(self) -> list[PageRecord]:
+        """One record per page: state, ref count, LRU rank, running owners, chain position, keys and tokens.
+
+        A page still being filled is not indexed yet; its tokens are read from its first running owner.
+        """
         with self._lock:
             pool, size = self.pool, self.pool.page_size
             ranks = pool.lru_rank()
@@ -232,42 +272,56 @@ class InferenceEngine:
                     req, pos = seen[page]
                     tokens = tuple(req.token_ids[pos * size : min((pos + 1) * size, req.num_computed)])
                 records.append(
-                    dict(
+                    PageRecord(
                         page=page,
                         state=pool.state(page).value,
                         ref_count=pool.ref_count[page],
                         lru_rank=ranks.get(page),
-                        requests=owners.get(page, []),
+                        requests=tuple(owners.get(page, ())),
                         chain_pos=pos,
-                        tokens=list(tokens or ()),
-                        indexed=pool.key[page] is not None,
+                        key=pool.key[page],
+                        parent_key=pool.parent_key[page],
+                        stored_by=pool.stored_by[page],
+                        token_ids=tuple(tokens or ()),
                     )
                 )
             return records
 
-    def events(self, after: int = 0) -> list[dict]:
-        """Events with a sequence number above ``after`` (page_stored, page_evicted, request_admitted, ...)."""
-        with self._lock:
-            return [e for e in self._events if e["seq"] > after]
+    def events(self, after: int = 0) -> list[EngineEvent]:
+        """Events with ``seq`` above ``after``, oldest first. Never waits for the loop: see the class docstring.
 
-    def request_info(self, request_ids: list[int]) -> list[dict[str, Any]]:
-        """Per-request progress for dashboards: status, prompt/cached/generated tokens, TTFT and tokens/s."""
-        with self._lock:
-            return [_info(self._requests[i]) for i in request_ids if i in self._requests]
+        The log is a ring of ``event_log_size``: a reader that fell further behind sees a gap in ``seq``.
+        """
+        with self._observed_lock:
+            return [e for e in self._events if e.seq > after]
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the loop, which hands the model back as it came; unfinished requests get an EngineClosedError."""
+    def history(self, after_step: int = 0) -> list[StepSample]:
+        """Per-step samples with ``step`` above ``after_step`` (a ring of ``history_size``), oldest first."""
+        with self._observed_lock:
+            return [s for s in self._history if s.step > after_step]
+
+    def request_info(self, request_ids: list[int]) -> list[RequestInfo]:
+        """Progress of the requests still known (running, waiting, or among the last ``keep_finished`` ended)."""
         with self._lock:
-            if self._closed:
-                return
+            known = (self._live.get(i) or self._ended.get(i) for i in request_ids)
+            return [_info(req) for req in known if req is not None]
+
+    def shutdown(self, timeout: float = 10.0) -> bool:
+        """Stop the loop; unfinished requests get an ``EngineClosedError``.
+
+        The loop, not this call, fails the requests and hands the model back as it came, once any running forward
+        has returned. Returns True when that is done within ``timeout``; False when a forward is still running
+        (consumers are told at once anyway: their streams see the engine closed within ``POLL_SECONDS``).
+        """
+        with self._lock:
             self._closed = True
-            self._lock.notify_all()
-        self._thread.join(timeout)
-        with self._lock:
-            self._fail(
-                list(self.scheduler.running) + list(self.scheduler.waiting),
-                EngineClosedError("the engine was shut down before this request finished"),
-            )
+            self._work_arrived.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("astrai shutdown: a step is still running; the loop will clean up when it returns")
+            return False
+        return True
 
     def __enter__(self) -> InferenceEngine:
         return self
@@ -310,11 +364,6 @@ class InferenceEngine:
             generator = torch.Generator().manual_seed(seed)
         return Request(prompt_ids=ids, params=params, cache_salt=salt, generator=generator)
 
-    def _remember(self, req: Request) -> None:
-        self._requests[req.id] = req
-        while len(self._requests) > KEEP_FINISHED and next(iter(self._requests.values())).done:
-            self._requests.popitem(last=False)
-
     def _check_alive(self) -> None:
         if self._loop_error is not None:
             raise EngineClosedError(f"the engine loop died: {self._loop_error!r}")
@@ -323,54 +372,58 @@ class InferenceEngine:
 
     # ----- the loop -------------------------------------------------------------------------------------
     def _loop(self) -> None:
+        closing: Exception = EngineClosedError("the engine was shut down before this request finished")
         try:
             while True:
                 with self._lock:
                     while not self._closed and not self._cancelled and not self.scheduler.has_work():
-                        self._lock.wait()
+                        self._work_arrived.wait()
                     if self._closed:
                         return
-                    self._apply_cancels()
+                    outbox = self._apply_cancels()
+                _deliver(outbox)
                 self._step()
         except BaseException as exc:  # a bug in the loop itself: make every waiter see it
             log.exception("astrai engine loop died")
             self._loop_error = exc
+            closing = EngineClosedError(f"the engine loop died: {exc!r}")
+        finally:  # the loop, not shutdown(): no forward is running now, so pages and the model are safe to touch
             with self._lock:
-                self._fail(
-                    list(self.scheduler.running) + list(self.scheduler.waiting),
-                    EngineClosedError(f"the engine loop died: {exc!r}"),
-                )
-        finally:  # here, not in shutdown(): a step still running must never see its model change under it
+                outbox = self._fail([*self.scheduler.running, *self.scheduler.waiting], closing)
+            _deliver(outbox)
             self.runner.restore()
 
     def _step(self) -> None:
         """Schedule, run the model, sample, and stream. A failure fails only this step's requests."""
         work: list[tuple[Request, int]] = []
+        started = time.perf_counter()
         try:
             with self._lock:
+                before = self._counters()
                 work = self.scheduler.schedule()
             if not work:
                 with self._lock:
-                    self._lock.wait(0.01)
+                    self._work_arrived.wait(0.01)
                 return
-            started = time.perf_counter()
             logits = self.runner.step(work)
             sampled = [req for req, count in work if req.num_computed + count == len(req.token_ids)]
             tokens = sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
             with self._lock:
-                self.steps += 1
-                self.step_log.append((sum(c for _, c in work), len(work), time.perf_counter() - started))
-                self._finish_step(work, dict(zip(sampled, tokens, strict=True)))
+                outbox = self._finish_step(work, dict(zip(sampled, tokens, strict=True)))
+                self._record_step(work, before, started)
         except Exception as exc:
             log.exception("astrai step failed")
             with self._lock:
                 self.cache.end_step()
                 # a scheduling failure leaves no trustworthy bookkeeping: fail everything it was juggling
                 victims = [req for req, _ in work] or [*self.scheduler.running, *self.scheduler.waiting]
-                self._fail(victims, RequestFailedError(f"the step computing this request failed: {exc!r}"))
+                outbox = self._fail(victims, RequestFailedError(f"the step computing this request failed: {exc!r}"))
+                self._record_step([], before, started)
+        _deliver(outbox)
 
-    def _finish_step(self, work: list[tuple[Request, int]], tokens: dict[Request, int]) -> None:
+    def _finish_step(self, work: list[tuple[Request, int]], tokens: dict[Request, int]) -> list[Delivery]:
         now = time.monotonic()
+        outbox: list[Delivery] = []
         for req, count in work:
             req.num_computed += count
             self.cache.commit(req)
@@ -383,29 +436,68 @@ class InferenceEngine:
             items, index, detok = self._outputs[req.id]
             delta = detok.push(token)
             if delta:
-                items.put((index, "delta", delta))
+                outbox.append((items, (index, "delta", delta)))
             if token in self.eos_ids or len(req.output_ids) >= req.params.max_tokens:
                 tail = detok.flush()
                 if tail:
-                    items.put((index, "delta", tail))
+                    outbox.append((items, (index, "delta", tail)))
                 self._end(req, Status.FINISHED)
-                items.put((index, "done", None))
+                outbox.append((items, (index, "done", None)))
+        return outbox
 
-    def _apply_cancels(self) -> None:
+    def _counters(self) -> tuple[int, int, int, int]:
+        return self.pool.stats.evictions, self.scheduler.preemptions, self.cache.hit_tokens, self.cache.query_tokens
+
+    def _record_step(self, work: list[tuple[Request, int]], before: tuple[int, int, int, int], started: float) -> None:
+        """Close the step: count it, and sample the cache for the charts (deltas of the cumulative counters)."""
+        self.steps += 1
+        evictions, preemptions, hits, queries = (now - then for now, then in zip(self._counters(), before, strict=True))
+        decode = sum(1 for req, count in work if count == 1 and req.num_computed > req.prompt_len)
+        sample_ = StepSample(
+            step=self.steps,
+            time=time.time(),
+            duration_s=time.perf_counter() - started,
+            free_pages=self.pool.free_pages,
+            used_pages=self.pool.used_pages,
+            cached_pages=self.pool.cached_pages,
+            prefill_tokens=sum(count for _, count in work) - decode,
+            decode_tokens=decode,
+            hit_tokens=hits,
+            query_tokens=queries,
+            evictions=evictions,
+            preemptions=preemptions,
+            requests=tuple(req.id for req, _ in work),
+        )
+        with self._observed_lock:
+            self._history.append(sample_)
+
+    def _apply_cancels(self) -> list[Delivery]:
+        """End the cancelled requests; a stream still being read (cancelled by another thread) ends for them."""
+        outbox: list[Delivery] = []
         for rid in self._cancelled:
-            req = self._requests.get(rid)
-            if req is not None and not req.done:
+            req, output = self._live.get(rid), self._outputs.get(rid)
+            if req is not None:
                 self._end(req, Status.CANCELLED)
+            if output is not None:
+                items, index, _ = output
+                outbox.append((items, (index, "done", None)))
         self._cancelled.clear()
+        return outbox
 
     def _end(self, req: Request, status: Status) -> None:
         self.scheduler.remove(req)
         req.status = status
         req.finished_at = time.monotonic()
         self._outputs.pop(req.id, None)
-        self._emit(f"request_{status.value}", {"request": req.id})
+        self._live.pop(req.id, None)
+        self._ended[req.id] = req
+        while len(self._ended) > self._keep_finished:
+            self._ended.popitem(last=False)
+        self._ended_counts[status] += 1
+        self._emit(RequestFinished, request=req.id, status=status.value)
 
-    def _fail(self, requests: list[Request], error: Exception) -> None:
+    def _fail(self, requests: list[Request], error: Exception) -> list[Delivery]:
+        outbox: list[Delivery] = []
         for req in requests:
             if req.done:
                 continue
@@ -414,17 +506,23 @@ class InferenceEngine:
             self._end(req, Status.FAILED)
             if output is not None:
                 items, index, _ = output
-                items.put((index, "error", error))
+                outbox.append((items, (index, "error", error)))
+        return outbox
 
-    def _emit(self, kind: str, data: dict) -> None:
-        self._event_seq += 1
-        event = {"seq": self._event_seq, "time": time.time(), "kind": kind, **data}
-        self._events.append(event)
-        if self._on_event is not None:
-            try:
-                self._on_event(event)
-            except Exception:
-                log.exception("astrai on_event hook raised; ignored")
+    def _emit(self, event: type[EngineEvent], **fields: Any) -> None:
+        """Stamp and log one event (called under ``_lock`` by the loop, the pool and the scheduler)."""
+        with self._observed_lock:
+            self._event_seq += 1
+            self._events.append(event(seq=self._event_seq, step=self.steps + 1, time=time.time(), **fields))
+
+
+Delivery = tuple[queue.SimpleQueue, tuple[int, str, Any]]
+
+
+def _deliver(outbox: list[Delivery]) -> None:
+    """Put stream items on their consumers' queues; called with no lock held."""
+    for items, item in outbox:
+        items.put(item)
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
@@ -438,19 +536,19 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[
     return ids
 
 
-def _info(req: Request) -> dict[str, Any]:
+def _info(req: Request) -> RequestInfo:
     end = req.finished_at or time.monotonic()
     generated = len(req.output_ids)
     decode_time = end - req.first_token_at if req.first_token_at else 0.0
-    return dict(
+    return RequestInfo(
         id=req.id,
         status=req.status.value,
         prompt_tokens=req.prompt_len,
         cached_tokens=req.cached_tokens,
         generated_tokens=generated,
         preemptions=req.preemptions,
-        prompt_ids=list(req.prompt_ids),
-        output_ids=req.output_ids,
+        prompt_ids=tuple(req.prompt_ids),
+        output_ids=tuple(req.output_ids),
         ttft=(req.first_token_at - req.submitted_at) if req.first_token_at else None,
         tokens_per_s=(generated - 1) / decode_time if generated > 1 and decode_time > 0 else None,
         error=str(req.error) if req.error else None,

@@ -4,6 +4,9 @@ Pages are registered in the prefix index only after the forward pass that wrote 
 that an earlier-scheduled request is about to complete is "pending": a request admitted later in the same step
 may share it, because attention writes every new K/V of a layer before any request reads. That is how prompts
 submitted together compute their shared prefix once.
+
+Hit accounting follows vLLM's ``PrefixCacheStats``: a request's prompt is counted once, at its first admission;
+a preempted request that comes back is counted apart (``readmitted_*``), so the hit rate can never exceed 1.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ class KVCacheManager:
         self.page_size = pool.page_size
         self.prefix_caching = prefix_caching
         self._pending: dict[PageKey, tuple[int, int]] = {}  # key -> (page, owner request id), this step only
-        self.query_tokens = 0
+        self.query_tokens = 0  # first admissions only
         self.hit_tokens = 0
+        self.readmitted_query_tokens = 0  # admissions after a preemption
+        self.readmitted_hit_tokens = 0
         self._recent: deque[tuple[int, int]] = deque(maxlen=HIT_WINDOW)
 
     # ----- keys -----------------------------------------------------------------------------------------
@@ -55,12 +60,15 @@ class KVCacheManager:
         if not self.allocate(req, req.num_computed + count):
             self.free(req)
             return 0
-        query, hit = len(req.token_ids), len(hits) * self.page_size
-        self.query_tokens += query
-        self.hit_tokens += hit
-        self._recent.append((query, hit))
-        if req.cached_tokens is None:
+        hit = len(hits) * self.page_size
+        if req.cached_tokens is None:  # the first admission: the one the hit rate counts
             req.cached_tokens = hit
+            self.query_tokens += req.prompt_len
+            self.hit_tokens += hit
+            self._recent.append((req.prompt_len, hit))
+        else:
+            self.readmitted_query_tokens += len(req.token_ids)
+            self.readmitted_hit_tokens += hit
         return count
 
     def _match_prefix(self, req: Request) -> list[int]:
@@ -98,8 +106,10 @@ class KVCacheManager:
         """Register the request's pages that became full in this step's forward."""
         full = req.num_computed // self.page_size
         if self.prefix_caching:
-            for i, key in enumerate(self._keys(req, full)[req.indexed_pages :], start=req.indexed_pages):
-                self.pool.register(req.pages[i], key, self._page_tokens(req, i), i, request=req.id)
+            keys = self._keys(req, full)
+            for i in range(req.indexed_pages, full):
+                parent = keys[i - 1] if i else None
+                self.pool.register(req.pages[i], keys[i], self._page_tokens(req, i), i, parent, request=req.id)
         req.indexed_pages = max(req.indexed_pages, full)
 
     def end_step(self) -> None:
@@ -116,7 +126,7 @@ class KVCacheManager:
 
     # ----- stats ----------------------------------------------------------------------------------------
     def hit_rates(self) -> tuple[float, float]:
-        """Token-weighted prefix hit rate: cumulative, and over the last ``HIT_WINDOW`` lookups."""
+        """Token-weighted prefix hit rate of first admissions: cumulative, and over the last ``HIT_WINDOW``."""
         recent_q = sum(q for q, _ in self._recent)
         recent_h = sum(h for _, h in self._recent)
         return (

@@ -37,6 +37,20 @@ def check_supported(config: PretrainedConfig) -> None:
         raise ValueError(f"{name}: only decoder-only causal LMs are supported")
 
 
+def _convert_floating(model: PreTrainedModel, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Cast the model's floating parameters and buffers to ``dtype`` in place; return (tensor, original data).
+
+    The originals are kept so ``restore`` hands the exact weights back: a float32 model served in bfloat16 holds
+    both copies while it serves (1.5x its weights). A checkpoint loaded in the serving dtype converts nothing.
+    """
+    converted = []
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.is_floating_point() and tensor.dtype != dtype:
+            converted.append((tensor, tensor.data))
+            tensor.data = tensor.data.to(dtype)
+    return converted
+
+
 def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -62,7 +76,10 @@ class ModelRunner:
             (torch.zeros(kv_heads, slots, head_dim, dtype=dtype), torch.zeros(kv_heads, slots, head_dim, dtype=dtype))
             for _ in range(config.num_hidden_layers)
         ]
-        self.model = model.to(dtype).eval()
+        self.model = model
+        self.was_training = model.training
+        self.original_tensors = _convert_floating(model, dtype)
+        model.eval()
         self.previous_attn = config._attn_implementation
         self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.packed_linears = self._pack() if packed_weights and packing_supported(dtype) else 0
@@ -77,8 +94,12 @@ class ModelRunner:
             return 0
 
     def restore(self) -> None:
-        """Give the model back its original attention and linear layers (the caller may use it elsewhere)."""
+        """Give the model back as it came: attention, linear layers, exact weights, dtype and train/eval mode."""
         unpack_linears(self.model)
+        for tensor, original in self.original_tensors:
+            tensor.data = original
+        self.original_tensors = []
+        self.model.train(self.was_training)
         self.model.set_attn_implementation(self.previous_attn)
 
     @torch.inference_mode()

@@ -17,8 +17,12 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
+
+from astrai.observation import EngineEvent, PageEvicted, PageStored
 
 PageKey = bytes
+Emit = Callable[..., None]  # emit(EventClass, **fields): the engine stamps seq, step and time
 
 
 class PageState(StrEnum):
@@ -53,7 +57,7 @@ class PoolStats:
 class PagePool:
     """Owns page bookkeeping (not the KV tensors themselves): states, ref counts, hashes, LRU, free list."""
 
-    def __init__(self, n_pages: int, page_size: int, on_event: Callable[[str, dict], None] | None = None):
+    def __init__(self, n_pages: int, page_size: int, emit: Emit | None = None):
         if n_pages < 1 or page_size < 1:
             raise ValueError(f"n_pages and page_size must be >= 1, got {n_pages} and {page_size}")
         self.n_pages = n_pages
@@ -62,11 +66,13 @@ class PagePool:
         self.key: list[PageKey | None] = [None] * n_pages
         self.tokens: list[tuple[int, ...] | None] = [None] * n_pages
         self.chain_pos: list[int] = [-1] * n_pages
+        self.parent_key: list[PageKey | None] = [None] * n_pages
+        self.stored_by: list[int | None] = [None] * n_pages  # the request whose forward wrote the indexed KV
         self.index: dict[PageKey, int] = {}
         self.lru: OrderedDict[int, None] = OrderedDict()  # first = least recently used
         self.free: deque[int] = deque(range(n_pages))
         self.stats = PoolStats()
-        self._on_event = on_event or (lambda kind, data: None)
+        self._emit: Emit = emit or _ignore
 
     # ----- queries -------------------------------------------------------------------------------------
     @property
@@ -116,9 +122,10 @@ class PagePool:
             page = self.free.popleft()
         elif self.lru:
             page, _ = self.lru.popitem(last=False)
+            key = self.key[page]
             self._forget(page)
             self.stats.evictions += 1
-            self._on_event("page_evicted", {"page": page})
+            self._emit(PageEvicted, page=page, key=key)
         else:
             raise MemoryError("no free or evictable page left")
         self.ref_count[page] = 1
@@ -139,9 +146,16 @@ class PagePool:
 
     # ----- the prefix index -----------------------------------------------------------------------------
     def register(
-        self, page: int, key: PageKey, tokens: Sequence[int], chain_pos: int, request: int | None = None
+        self,
+        page: int,
+        key: PageKey,
+        tokens: Sequence[int],
+        chain_pos: int,
+        parent: PageKey | None = None,
+        request: int | None = None,
     ) -> bool:
-        """Index a page whose KV was just written (by ``request``, for the event). False if the key is taken."""
+        """Index a page whose KV was just written by ``request``, chained after ``parent``. False if the key is
+        taken (another page already holds these tokens after this prefix)."""
         if self.ref_count[page] <= 0:
             raise RuntimeError(f"only an in-use page can be registered, page {page} is not")
         if self.key[page] is not None or key in self.index:
@@ -150,8 +164,18 @@ class PagePool:
         self.key[page] = key
         self.tokens[page] = tuple(tokens)
         self.chain_pos[page] = chain_pos
+        self.parent_key[page] = parent
+        self.stored_by[page] = request
         self.stats.stored += 1
-        self._on_event("page_stored", {"page": page, "chain_pos": chain_pos, "request": request})
+        self._emit(
+            PageStored,
+            page=page,
+            key=key,
+            parent_key=parent,
+            chain_pos=chain_pos,
+            request=request,
+            token_ids=tuple(tokens),
+        )
         return True
 
     def clear(self) -> int:
@@ -174,6 +198,8 @@ class PagePool:
         self.key[page] = None
         self.tokens[page] = None
         self.chain_pos[page] = -1
+        self.parent_key[page] = None
+        self.stored_by[page] = None
 
     # ----- introspection --------------------------------------------------------------------------------
     def lru_rank(self) -> dict[int, int]:
@@ -201,3 +227,7 @@ class PagePool:
         indexed = {p for p in range(self.n_pages) if self.key[p] is not None}
         assert indexed == set(self.index.values()), "pages with keys and the index differ"
         assert self.free_pages + self.cached_pages + self.used_pages == self.n_pages
+
+
+def _ignore(event: type[EngineEvent], **fields: Any) -> None:
+    """The default ``emit`` of a pool used on its own (tests): events go nowhere."""

@@ -10,9 +10,10 @@ cached) and it goes back to the front of the queue.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 
 from astrai.kv_cache_manager import KVCacheManager
+from astrai.observation import RequestAdmitted, RequestPreempted
+from astrai.page_pool import Emit
 from astrai.request import Request, Status
 
 
@@ -22,7 +23,7 @@ class Scheduler:
         cache: KVCacheManager,
         max_batch_size: int,
         max_batched_tokens: int,
-        on_event: Callable[[str, dict], None],
+        emit: Emit,
     ):
         self.cache = cache
         self.max_batch_size = max_batch_size
@@ -30,7 +31,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is the newest
         self.preemptions = 0
-        self._on_event = on_event
+        self._emit = emit
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -76,7 +77,14 @@ class Scheduler:
             scheduled[req] = count
             budget -= count
             self.cache.mark_pending(req, req.num_computed + count)
-            self._on_event("request_admitted", {"request": req.id, "cached_tokens": req.num_computed})
+            self._emit(
+                RequestAdmitted,
+                request=req.id,
+                prompt_tokens=req.prompt_len,
+                cached_tokens=req.num_computed,
+                hit_pages=tuple(req.pages[: req.num_computed // self.cache.page_size]),
+                readmission=req.preemptions > 0,
+            )
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -85,7 +93,7 @@ class Scheduler:
         req.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(req)
-        self._on_event("request_preempted", {"request": req.id})
+        self._emit(RequestPreempted, request=req.id)
 
     def remove(self, req: Request) -> None:
         """Take a request out of the queues (finished, cancelled or failed) and release its pages."""

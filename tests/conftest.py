@@ -12,8 +12,8 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    """The tiny byte-level BPE tokenizer of astrai.testing (trained in a fraction of a second)."""
-    from astrai.testing import make_tokenizer
+    """The tiny byte-level BPE tokenizer of tests.support.tiny_models (trained in a fraction of a second)."""
+    from tests.support.tiny_models import make_tokenizer
 
     return make_tokenizer()
 
@@ -21,6 +21,6 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def model(tokenizer):
     """A tiny random Llama; module scope, because an engine switches its attention implementation."""
-    from astrai.testing import make_model
+    from tests.support.tiny_models import make_model
 
     return make_model("llama", len(tokenizer))

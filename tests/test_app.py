@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from astrai import InferenceEngine
-from astrai.playground import loadtest
-from astrai.playground.browser import CHROMIUM, open_playground
-from astrai.playground.loadtest import launch_app
-from astrai.playground.service import EMBEDDED_MODEL
-from astrai.testing import wait_until
+from astrai.playground.local_backend import EMBEDDED_MODEL
+from tests.support.waiting import wait_until
+from tools import loadtest
+from tools.browser import CHROMIUM, open_playground
+from tools.loadtest import launch_app
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
@@ -57,6 +57,7 @@ def test_run_streams_every_panel_and_equals_the_engine(client):
 
 
 def test_stop_cancels_and_releases_pages(client):
+    before = client.predict(api_name="/cache_stats")
     job = client.submit(**run_args(PANELS, 256), api_name="/run")
 
     def streaming() -> bool:
@@ -66,7 +67,13 @@ def test_stop_cancels_and_releases_pages(client):
     assert wait_until(streaming, timeout=30)
     assert client.predict(api_name="/cache_stats")["used_pages"] > 0
     job.cancel()
-    assert wait_until(lambda: client.predict(api_name="/cache_stats")["used_pages"] == 0, timeout=10)
+
+    def cancelled() -> bool:
+        stats = client.predict(api_name="/cache_stats")
+        return stats["used_pages"] == 0 and stats["cancelled"] == before["cancelled"] + len(PANELS)
+
+    assert wait_until(cancelled, timeout=10, interval=0.2)
+    assert client.predict(api_name="/cache_stats")["finished"] == before["finished"]  # none ran to its end
 
 
 def test_bad_input_gets_a_clear_message(client):

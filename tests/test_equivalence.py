@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from astrai import InferenceEngine
-from astrai.testing import FAMILIES, make_model, make_tokenizer, reference_generate
+from tests.support.tiny_models import FAMILIES, make_model, make_tokenizer, reference_generate
 
 PAGE = 4
 NEW_TOKENS = 16
@@ -34,7 +34,7 @@ def run_batch(engine: InferenceEngine, prompts: list[str]) -> tuple[list[str], l
     texts = [""] * len(prompts)
     for index, delta in stream:
         texts[index] += delta
-    return texts, [info["output_ids"] for info in engine.request_info(stream.request_ids)]
+    return texts, [list(info.output_ids) for info in engine.request_info(stream.request_ids)]
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["cache-on", "cache-off"])
@@ -52,15 +52,15 @@ def test_greedy_equals_transformers(family, prefix_caching, pool):
             assert ids == refs
             assert texts == [tokenizer.decode(r, skip_special_tokens=True) for r in refs]
         stats = engine.cache_stats()
-        assert stats["used_pages"] == 0
+        assert stats.used_pages == 0
         if pool == "tight":
-            assert stats["preemptions"] > 0
+            assert stats.preemptions > 0
             if prefix_caching:
-                assert stats["evictions"] > 0
+                assert stats.evictions > 0
         if prefix_caching:
-            assert stats["hit_tokens"] > 0
+            assert stats.hit_tokens > 0
         else:
-            assert stats["hit_tokens"] == 0 and stats["cached_pages"] == 0
+            assert stats.hit_tokens == 0 and stats.cached_pages == 0
         engine.pool.check_invariants()
 
 
@@ -86,6 +86,6 @@ def test_bfloat16_runs_and_mostly_agrees(family):
     model, tokenizer, refs, _ = family
     with InferenceEngine(model, tokenizer, page_size=PAGE, n_pages=128, dtype="bfloat16") as engine:
         _, ids = run_batch(engine, PROMPTS)
-        assert engine.cache_stats()["used_pages"] == 0
+        assert engine.cache_stats().used_pages == 0
     model.float()
     assert sum(a[0] == b[0] for a, b in zip(ids, refs, strict=True)) >= len(PROMPTS) // 2

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from astrai import EngineClosedError, InferenceEngine, RequestFailedError
-from astrai.bad_inputs import BAD_CALLS, BAD_CHECKPOINTS, MAX_SEQ_LEN, PROMPT, report
-from astrai.testing import wait_until
+from tests.support.waiting import wait_until
+from tools.bad_inputs import BAD_CALLS, BAD_CHECKPOINTS, MAX_SEQ_LEN, PROMPT, report
 
 
 @pytest.fixture
@@ -19,20 +19,45 @@ def engine(model, tokenizer):
         yield eng
 
 
-def test_closing_a_stream_cancels_and_releases_pages(engine):
+def slow_down(engine: InferenceEngine, monkeypatch, seconds: float = 0.02) -> None:
+    """Make every step take ``seconds`` longer, so a long request cannot end on its own within a short wait."""
+    real_step = engine.runner.step
+
+    def slow(work):
+        time.sleep(seconds)
+        return real_step(work)
+
+    monkeypatch.setattr(engine.runner, "step", slow)
+
+
+def test_closing_a_stream_cancels_and_releases_pages(engine, monkeypatch):
+    slow_down(engine, monkeypatch)  # 150 tokens now take over 3 s, longer than the waits below
     stream = engine.generate([PROMPT, "The dog"], max_tokens=150, stream=True)
     next(stream)
-    assert engine.cache_stats()["used_pages"] > 0
+    assert engine.cache_stats().used_pages > 0
     stream.close()
-    assert wait_until(lambda: engine.cache_stats()["used_pages"] == 0, timeout=2)
-    assert {i["status"] for i in engine.request_info(stream.request_ids)} == {"cancelled"}
+    assert wait_until(lambda: engine.cache_stats().used_pages == 0, timeout=2)
+    assert [i.status for i in engine.request_info(stream.request_ids)] == ["cancelled", "cancelled"]
 
 
-def test_leaving_a_for_loop_cancels(engine):
+def test_leaving_a_for_loop_cancels(engine, monkeypatch):
+    slow_down(engine, monkeypatch)
     for _ in engine.generate(PROMPT, max_tokens=150, stream=True):
-        break
-    assert wait_until(lambda: engine.cache_stats()["used_pages"] == 0, timeout=2)
-    assert engine.cache_stats()["running"] == 0
+        break  # the stream is dropped here: dropping it cancels
+    assert wait_until(lambda: engine.cache_stats().cancelled == 1, timeout=2)
+    stats = engine.cache_stats()
+    assert stats.used_pages == 0 and stats.running == 0 and stats.finished == 0
+
+
+def test_cancel_from_another_thread_ends_the_stream_being_read(engine, monkeypatch):
+    slow_down(engine, monkeypatch)
+    stream = engine.generate([PROMPT, "The dog"], max_tokens=150, stream=True)
+    next(stream)
+    threading.Timer(0.1, engine.cancel, args=(stream.request_ids,)).start()
+    started = time.monotonic()
+    list(stream)  # ends instead of waiting forever for requests that will never produce again
+    assert time.monotonic() - started < 2
+    assert [i.status for i in engine.request_info(stream.request_ids)] == ["cancelled", "cancelled"]
 
 
 def test_a_faulty_step_fails_only_its_requests_and_the_engine_keeps_serving(engine, monkeypatch):
@@ -49,7 +74,7 @@ def test_a_faulty_step_fails_only_its_requests_and_the_engine_keeps_serving(engi
     monkeypatch.setattr(engine.runner, "step", flaky)
     with pytest.raises(RequestFailedError, match="injected fault"):
         engine.generate(PROMPT, max_tokens=8)
-    assert engine.cache_stats()["used_pages"] == 0
+    assert engine.cache_stats().used_pages == 0
     assert engine.generate(PROMPT, max_tokens=8) == expected
     engine.pool.check_invariants()
 
@@ -74,7 +99,7 @@ def test_a_faulty_scheduler_step_does_not_kill_the_loop(engine, monkeypatch):
 def test_bad_input_gets_a_clear_error_and_loses_nothing(engine, bad):
     with pytest.raises(bad.error, match=bad.match):
         engine.generate(bad.prompts, **bad.kwargs)
-    assert engine.cache_stats()["running"] == engine.cache_stats()["waiting"] == 0
+    assert engine.cache_stats().running == engine.cache_stats().waiting == 0
     assert engine.generate(PROMPT, max_tokens=2)
 
 
@@ -118,7 +143,7 @@ def test_eight_threads_generate_at_once(engine):
         t.join(timeout=60)
     assert not errors and len(results) == 8
     assert all(results[i] == expected[prompts[i % len(prompts)]] for i in range(8))
-    assert engine.cache_stats()["used_pages"] == 0
+    assert engine.cache_stats().used_pages == 0
 
 
 def test_shutdown_fails_running_requests_promptly_and_later_calls_raise(model, tokenizer):

@@ -1,10 +1,10 @@
-"""A small version of the playground load test (the full one: python -m astrai.playground.loadtest)."""
+"""A small version of the playground load test (the full one: python -m tools.loadtest)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from astrai.playground.loadtest import launch_app, run_load
+from tools.loadtest import launch_app, run_load
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 

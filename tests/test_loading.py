@@ -6,8 +6,8 @@ import pytest
 from transformers import MistralConfig, MistralForCausalLM
 
 from astrai import InferenceEngine, ModelLoadError
-from astrai.bad_inputs import BAD_CHECKPOINTS
-from astrai.testing import make_tokenizer, write_checkpoint
+from tests.support.tiny_models import make_tokenizer, write_checkpoint
+from tools.bad_inputs import BAD_CHECKPOINTS
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from torch import nn
 
 from astrai import InferenceEngine
 from astrai.packed_linear import PackedLinear, pack_linears, packing_supported, unpack_linears
-from astrai.testing import make_model, reference_generate
+from tests.support.tiny_models import make_model, reference_generate
 
 pytestmark = pytest.mark.skipif(not packing_supported(torch.float32), reason="this torch build has no oneDNN")
 

@@ -6,6 +6,7 @@ import pytest
 
 from astrai import InferenceEngine
 from astrai.kv_cache_manager import KVCacheManager
+from astrai.observation import PageStored, RequestAdmitted, RequestFinished
 from astrai.page_pool import PagePool
 from astrai.request import Request
 from astrai.sampling import SamplingParams
@@ -70,7 +71,7 @@ def test_hit_tokens_equal_the_shared_full_pages(engine, tokenizer):
         stream = engine.generate(second, max_tokens=1, stream=True)
         list(stream)
         info = engine.request_info(stream.request_ids)[0]
-        assert info["cached_tokens"] == shared_full_pages(a, b, len(a)), second
+        assert info.cached_tokens == shared_full_pages(a, b, len(a)), second
 
 
 def test_prompts_submitted_together_compute_their_shared_prefix_once(engine, tokenizer):
@@ -80,14 +81,14 @@ def test_prompts_submitted_together_compute_their_shared_prefix_once(engine, tok
     list(stream)
     infos = engine.request_info(stream.request_ids)
     ids = [tokenizer(p).input_ids for p in prompts]
-    assert infos[0]["cached_tokens"] == 0
+    assert infos[0].cached_tokens == 0
     for i in range(1, len(prompts)):
         expected = shared_full_pages(ids[0], ids[i], len(ids[0]))
         assert expected >= 16
-        assert infos[i]["cached_tokens"] == expected
+        assert infos[i].cached_tokens == expected
     stats = engine.cache_stats()
-    assert stats["hit_tokens"] == sum(info["cached_tokens"] for info in infos)
-    assert stats["query_tokens"] == sum(len(i) for i in ids)
+    assert stats.hit_tokens == sum(info.cached_tokens for info in infos)
+    assert stats.query_tokens == sum(len(i) for i in ids)
 
 
 def test_follow_up_turn_hits_the_answer_pages(engine, tokenizer):
@@ -96,11 +97,11 @@ def test_follow_up_turn_hits_the_answer_pages(engine, tokenizer):
     stream = engine.generate_ids([prompt], max_tokens=12, stream=True)
     list(stream)
     info = engine.request_info(stream.request_ids)[0]
-    computed = prompt + info["output_ids"][:-1]  # the last sampled token is never computed
-    follow_up = prompt + info["output_ids"] + tokenizer("The end.").input_ids
+    computed = prompt + list(info.output_ids[:-1])  # the last sampled token is never computed
+    follow_up = prompt + list(info.output_ids) + tokenizer("The end.").input_ids
     stream = engine.generate_ids([follow_up], max_tokens=1, stream=True)
     list(stream)
-    cached = engine.request_info(stream.request_ids)[0]["cached_tokens"]
+    cached = engine.request_info(stream.request_ids)[0].cached_tokens
     assert cached == len(computed) // PAGE * PAGE
     assert cached > len(prompt) // PAGE * PAGE
 
@@ -110,7 +111,7 @@ def test_prefix_caching_off_indexes_nothing(model, tokenizer):
         for _ in range(2):
             eng.generate(["Once upon a time there was a little cat."] * 3, max_tokens=4)
         stats = eng.cache_stats()
-        assert stats["hit_tokens"] == 0 and stats["cached_pages"] == 0 and stats["free_pages"] == 64
+        assert stats.hit_tokens == 0 and stats.cached_pages == 0 and stats.free_pages == 64
         assert not eng.pool.index
 
 
@@ -120,7 +121,7 @@ def test_cache_salt_isolates_namespaces(engine):
     for salt, hit in (("bob", False), ("alice", True), (None, False)):
         stream = engine.generate(prompt, max_tokens=1, cache_salt=salt, stream=True)
         list(stream)
-        assert (engine.request_info(stream.request_ids)[0]["cached_tokens"] > 0) is hit, salt
+        assert (engine.request_info(stream.request_ids)[0].cached_tokens > 0) is hit, salt
 
 
 def test_clear_empties_the_cache_while_requests_run(engine):
@@ -129,12 +130,12 @@ def test_clear_empties_the_cache_while_requests_run(engine):
     stream = engine.generate([prompt, "The dog"], max_tokens=40, stream=True)
     next(stream)
     engine.clear()
-    assert engine.cache_stats()["cached_pages"] == 0
+    assert engine.cache_stats().cached_pages == 0
     list(stream)
-    assert engine.cache_stats()["used_pages"] == 0
+    assert engine.cache_stats().used_pages == 0
     after = engine.generate(prompt, max_tokens=1, stream=True)
     list(after)
-    assert engine.request_info(after.request_ids)[0]["cached_tokens"] == 0
+    assert engine.request_info(after.request_ids)[0].cached_tokens == 0
     engine.pool.check_invariants()
 
 
@@ -145,19 +146,19 @@ def test_snapshot_and_stats_agree(engine):
     next(stream)
     snapshot = engine.cache_snapshot()
     stats = engine.cache_stats()
-    by_state = {s: sum(r["state"] == s for r in snapshot) for s in ("free", "in_use", "cached")}
-    assert by_state == {"free": stats["free_pages"], "in_use": stats["used_pages"], "cached": stats["cached_pages"]}
+    by_state = {s: sum(r.state == s for r in snapshot) for s in ("free", "in_use", "cached")}
+    assert by_state == {"free": stats.free_pages, "in_use": stats.used_pages, "cached": stats.cached_pages}
     for record in snapshot:
-        assert (record["lru_rank"] is not None) == (record["state"] == "cached")
-        if record["state"] == "in_use":
-            assert record["ref_count"] == len(record["requests"]) >= 1
-            assert set(record["requests"]) <= set(stream.request_ids)
-            assert record["chain_pos"] >= 0 and 0 < len(record["tokens"]) <= PAGE
+        assert (record.lru_rank is not None) == (record.state == "cached")
+        if record.state == "in_use":
+            assert record.ref_count == len(record.requests) >= 1
+            assert set(record.requests) <= set(stream.request_ids)
+            assert record.chain_pos >= 0 and 0 < len(record.token_ids) <= PAGE
     stream.close()
 
 
 def test_events_report_stores_admissions_and_finishes(engine):
-    start = engine.events()[-1]["seq"] if engine.events() else 0
+    start = engine.events()[-1].seq if engine.events() else 0
     engine.generate(["Once upon a time there was a little cat."], max_tokens=3)
-    kinds = {e["kind"] for e in engine.events(after=start)}
-    assert {"request_admitted", "page_stored", "request_finished"} <= kinds
+    kinds = {type(e) for e in engine.events(after=start)}
+    assert {RequestAdmitted, PageStored, RequestFinished} <= kinds

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from astrai import InferenceEngine
+from astrai.playground.local_backend import EMBEDDED_MODEL
 from astrai.playground.scenarios import SCENARIO_BY_NAME
-from astrai.playground.service import EMBEDDED_MODEL
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +18,7 @@ def engine():
 def cached(engine: InferenceEngine, prompts: list[str], **kwargs) -> list[int]:
     stream = engine.generate(prompts, stream=True, **kwargs)
     list(stream)
-    return [info["cached_tokens"] for info in engine.request_info(stream.request_ids)]
+    return [info.cached_tokens for info in engine.request_info(stream.request_ids)]
 
 
 def test_same_page_different_prefix_has_equal_full_pages_that_do_not_hit(engine):
@@ -47,4 +47,4 @@ def test_eviction_pressure_evicts_and_preempts():
         for _ in range(2):
             engine.generate(scenario.prompts, max_tokens=scenario.max_tokens)
         stats = engine.cache_stats()
-    assert stats["evictions"] > 0 and stats["preemptions"] > 0 and stats["used_pages"] == 0
+    assert stats.evictions > 0 and stats.preemptions > 0 and stats.used_pages == 0

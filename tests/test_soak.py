@@ -1,6 +1,8 @@
-"""A small soak with injected faults, cancellations, evictions and preemptions (the full one: astrai.soak)."""
+"""A small soak with injected faults, cancellations, evictions and preemptions (the full one: tools.soak)."""
 
-from astrai.soak import run_soak
+import time
+
+from tools.soak import run_soak
 
 
 def test_soak_with_faults_loses_nothing_and_leaks_nothing():
@@ -10,3 +12,11 @@ def test_soak_with_faults_loses_nothing_and_leaks_nothing():
     assert report.outcomes["cancelled"] > 0 and report.outcomes["finished"] > 100
     assert report.evictions > 0 and report.preemptions > 0
     assert report.greedy_checked > 20
+
+
+def test_a_hung_forward_is_reported_within_seconds():
+    started = time.monotonic()
+    report = run_soak(n_requests=200, clients=4, seed=3, fault_rate=0.0, hang_on_call=40, stall_s=2.0)
+    assert report.hung > 0 and not report.ok, report
+    assert time.monotonic() - started < 30  # reference outputs take a few seconds; the hang is seen in ~2 s
+    assert report.seconds < 10, report

@@ -6,7 +6,7 @@ import pytest
 
 from astrai import InferenceEngine
 from astrai.detokenizer import REPLACEMENT, IncrementalDetokenizer
-from astrai.testing import make_model
+from tests.support.tiny_models import make_model
 
 PROMPTS = ["Once upon a time there was a little cat.", "The dog", "小猫在花园里玩。 😀", "Lily and Tom"]
 

@@ -1,12 +1,25 @@
-"""The Gradio playground: build it with ``create_app()``; ``app.py`` launches it."""
+"""The Gradio playground: ``create_app()`` builds it; ``app.py`` launches it.
 
-from astrai.playground.service import EngineService
-from astrai.playground.ui import build_demo
+Nothing here is imported with ``astrai``: Gradio, Plotly and the backends load when ``create_app`` is called.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import gradio as gr
+
+    from astrai.playground.backend import Backend
 
 
-def create_app(service: EngineService | None = None):
-    """Start the shared engine (the embedded model by default) and build the Blocks around it."""
-    return build_demo((service or EngineService()).start())
+def create_app(backend: Backend | None = None) -> gr.Blocks:
+    """Build the Blocks around ``backend`` (by default a shared in-process engine on the embedded model)."""
+    from astrai.playground.local_backend import LocalBackend
+    from astrai.playground.service import PlaygroundService
+    from astrai.playground.ui import build_demo
+
+    return build_demo(PlaygroundService(backend or LocalBackend()))
 
 
-__all__ = ["EngineService", "build_demo", "create_app"]
+__all__ = ["create_app"]

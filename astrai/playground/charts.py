@@ -5,11 +5,10 @@ from __future__ import annotations
 import html
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
-from astrai.playground.service import Sample
+from astrai.playground.views import PageView, Series
 
 PANEL_COLORS = ["#2563eb", "#16a34a", "#d97706", "#9333ea", "#db2777", "#0891b2"]
 FREE_COLOR = "#e5e7eb"
@@ -32,92 +31,65 @@ def _layout(fig: go.Figure, title: str, y_title: str, height: int = 240) -> go.F
     return fig
 
 
-def _ages(history: Sequence[Sample], now: float) -> list[float]:
-    return [round(s.time - now, 1) for s in history]
-
-
-def occupancy_chart(history: Sequence[Sample], now: float) -> go.Figure:
-    x = _ages(history, now)
+def occupancy_chart(data: Series) -> go.Figure:
     fig = go.Figure()
-    for name, values in (
-        ("in use", [s.used for s in history]),
-        ("cached (evictable)", [s.cached for s in history]),
-        ("free", [s.free for s in history]),
-    ):
+    for name, values in (("in use", data.used), ("cached (evictable)", data.cached), ("free", data.free)):
         fig.add_trace(
             go.Scatter(
-                x=x,
+                x=data.ages,
                 y=values,
                 name=name,
                 stackgroup="pages",
                 mode="lines",
-                line=dict(width=0.5, color=STATE_COLORS[name]),
+                line=dict(width=0.5, color=STATE_COLORS[name], shape="hv"),
             )
         )
-    return _layout(fig, "Page-pool occupancy", "pages")
+    return _layout(fig, "Page-pool occupancy (one point per engine step)", "pages")
 
 
-def lru_chart(history: Sequence[Sample], now: float) -> go.Figure:
-    fig = go.Figure(
-        go.Scatter(
-            x=_ages(history, now),
-            y=[s.cached for s in history],
-            mode="lines",
-            name="LRU length",
-            line=dict(color=STATE_COLORS["cached (evictable)"], width=2),
-        )
-    )
-    evictions = [s.evictions for s in history]
-    if evictions:
-        fig.add_trace(
-            go.Scatter(
-                x=_ages(history, now),
-                y=[e - evictions[0] for e in evictions],
-                mode="lines",
-                name="evictions (since left edge)",
-                line=dict(color=EVICTED_COLOR, dash="dot"),
-            )
-        )
-    return _layout(fig, "LRU length (cached pages)", "pages")
-
-
-def hit_rate_chart(history: Sequence[Sample], now: float) -> go.Figure:
-    x = _ages(history, now)
+def lru_chart(data: Series) -> go.Figure:
     fig = go.Figure(
         [
             go.Scatter(
-                x=x,
-                y=[100 * s.hit_rate for s in history],
-                name="cumulative",
+                x=data.ages,
+                y=data.cached,
                 mode="lines",
-                line=dict(color="#16a34a", width=2),
+                name="LRU length",
+                line=dict(color=STATE_COLORS["cached (evictable)"], width=2, shape="hv"),
             ),
             go.Scatter(
-                x=x,
-                y=[100 * s.recent_hit_rate for s in history],
-                name="recent window",
+                x=data.ages,
+                y=data.evictions,
                 mode="lines",
-                line=dict(color="#84cc16", dash="dash"),
+                name="evictions (since left edge)",
+                line=dict(color=EVICTED_COLOR, dash="dot", shape="hv"),
             ),
         ]
     )
-    fig.update_yaxes(range=[0, 100])
-    return _layout(fig, "Prefix hit rate (token-weighted)", "% of prompt tokens")
+    return _layout(fig, "LRU length (cached pages)", "pages")
 
 
-@dataclass
-class PageView:
-    """What one visitor may see of one page."""
-
-    page: int
-    state: str  # free / in_use / cached
-    ref_count: int
-    lru_rank: int | None
-    chain_pos: int
-    panels: list[int]  # this visitor's panels using it
-    other_users: int  # requests of other sessions using it
-    text: str | None  # None when the text is not this visitor's to see
-    just_evicted: bool
+def hit_rate_chart(data: Series) -> go.Figure:
+    fig = go.Figure(
+        [
+            go.Scatter(
+                x=data.ages,
+                y=[None if r is None else 100 * r for r in data.hit_rate],
+                name="since start",
+                mode="lines",
+                line=dict(color="#16a34a", width=2, shape="hv"),
+            ),
+            go.Scatter(
+                x=data.step_hit_ages,
+                y=[100 * r for r in data.step_hit_rate],
+                name="requests admitted in a step",
+                mode="markers",
+                marker=dict(color="#84cc16", size=7),
+            ),
+        ]
+    )
+    fig.update_yaxes(range=[0, 105])
+    return _layout(fig, "Prefix hit rate (token-weighted, first admissions)", "% of prompt tokens")
 
 
 CACHED_SHADES = ["#dbeafe", "#bfdbfe", "#93c5fd", "#60a5fa", "#3b82f6", "#2563eb", "#1d4ed8", "#1e3a8a"]

@@ -1,18 +1,34 @@
-"""The Gradio Blocks: prompt panels that stream side by side, and live charts of the shared engine's cache."""
+"""The Gradio Blocks: prompt panels that stream side by side, and live charts of the shared cache.
+
+Every callback returns a dict keyed by component (Gradio's dict-return form): what a callback leaves out stays as
+it is on the page. Callbacks read the cache only through the backend protocol and format it with ``views``.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import gradio as gr
-import pandas as pd
 
-from astrai import EngineClosedError, InferenceEngine, RequestFailedError
-from astrai.playground import charts
+from astrai.observation import PageEvicted
+from astrai.playground import charts, views
+from astrai.playground.backend import BackendError
+from astrai.playground.local_backend import (
+    BATCH_SIZES,
+    DTYPES,
+    MODEL_CHOICES,
+    PAGE_SIZES,
+    POOL_PAGES,
+    EngineSettings,
+    LocalBackend,
+)
 from astrai.playground.scenarios import FOLLOW_UP, SCENARIO_BY_NAME, SCENARIOS
-from astrai.playground.service import MODEL_CHOICES, EngineService, EngineSettings
+from astrai.playground.service import PlaygroundService
+from astrai.sampling import SamplingParams
 
 MAX_PANELS = 6
 DEFAULT_PANELS = 4
@@ -20,23 +36,12 @@ MAX_PROMPT_CHARS = 2000
 MAX_NEW_TOKENS = 256
 THROTTLE_SECONDS = 0.04  # one UI update per 40 ms at most: gradio sends every yield
 REFRESH_SECONDS = 1.0
-MAX_HIGHLIGHT_TOKENS = 300
 QUEUE_SIZE = 64  # waiting events beyond this get an immediate "queue is full" answer
-TABLE_COLUMNS = [
-    "panel",
-    "prompt",
-    "status",
-    "prompt tokens",
-    "cached tokens",
-    "generated",
-    "TTFT s",
-    "tok/s",
-    "preemptions",
-]
 CAPTIONS = [
-    "Pages in use by running requests, cached (kept after their requests ended, evictable), and free.",
+    "Pages in use by running requests, cached (kept after their requests ended, evictable), and free, after each "
+    "engine step.",
     "Cached pages wait in the LRU; it shrinks when a hit takes a page back or an eviction reuses one.",
-    "Share of prompt tokens served from cache: since start, and over the last 32 requests.",
+    views.HIT_RATE_CAPTION,
     "Every page: coloured by your panel when in use (x = shared), blue when cached (darker = more recently "
     "used), grey when free or another visitor's; red flashes mark evictions.",
 ]
@@ -47,77 +52,37 @@ recomputing. Pick a scenario, press **Run**, and watch the badges, the coloured 
 The engine is shared by every visitor, so you may hit pages someone else computed (their text stays hidden)."""
 
 
-def format_prompt(engine: InferenceEngine, prefix: str, prompt: str) -> str:
-    """Instruct models get their chat template (the shared prefix as the system turn); base models plain text."""
-    tokenizer = engine.tokenizer
-    if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "system", "content": prefix}] if prefix.strip() else []
-        messages.append({"role": "user", "content": prompt})
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return prefix + prompt
+@dataclass
+class Components:
+    """The components callbacks write to, by role."""
+
+    scenario_note: Any
+    shared_prefix: Any
+    n_panels: Any
+    prompts: list
+    outputs: list
+    badges: list
+    highlights: list
+    table: Any
+    max_tokens: Any
+    plots: list
+    stats: Any
+    view_state: Any
+    settings: dict[str, Any]  # EngineSettings field -> its component
+    engine_status: Any
 
 
-def badge(info: dict[str, Any] | None) -> str:
-    if info is None:
-        return ""
-    parts = [f"**{info['prompt_tokens']}** prompt tokens"]
-    cached = info["cached_tokens"]
-    if cached is not None:
-        parts.append(f"**{cached}** cached ({100 * cached / info['prompt_tokens']:.0f}%)")
-    if info["ttft"] is not None:
-        parts.append(f"TTFT {info['ttft']:.2f} s")
-    if info["tokens_per_s"]:
-        parts.append(f"{info['tokens_per_s']:.1f} tok/s")
-    if info["preemptions"]:
-        parts.append(f"preempted ×{info['preemptions']}")
-    return " · ".join(parts)
-
-
-def token_highlights(engine: InferenceEngine, info: dict[str, Any]) -> list[tuple[str, str]]:
-    """The prompt's tokens, labelled cached or computed, for gr.HighlightedText."""
-    ids = info["prompt_ids"][:MAX_HIGHLIGHT_TOKENS]
-    cached = info["cached_tokens"] or 0
-    special = set(engine.tokenizer.all_special_ids)
-    pieces = []
-    for i, token in enumerate(ids):
-        text = "⟨s⟩" if token in special else engine.tokenizer.decode([token])
-        pieces.append((text, "cached" if i < cached else "computed"))
-    return pieces
-
-
-def request_table(infos: list[dict[str, Any] | None], prompts: list[str]) -> pd.DataFrame:
-    rows = [
-        [
-            i + 1,
-            prompts[i][:40],
-            info["status"],
-            info["prompt_tokens"],
-            info["cached_tokens"],
-            info["generated_tokens"],
-            round(info["ttft"], 3) if info["ttft"] is not None else None,
-            round(info["tokens_per_s"], 1) if info["tokens_per_s"] else None,
-            info["preemptions"],
-        ]
-        for i, info in enumerate(infos)
-        if info is not None
-    ]
-    return pd.DataFrame(rows, columns=TABLE_COLUMNS)
-
-
-def stats_line(service: EngineService, stats: dict[str, Any]) -> str:
-    return (
-        f"**{stats['used_pages']}** in use · **{stats['cached_pages']}** cached · **{stats['free_pages']}** free "
-        f"of {stats['n_pages']} pages × {stats['page_size']} tokens · hit rate {stats['hit_rate']:.0%} "
-        f"(recent {stats['recent_hit_rate']:.0%}) · {stats['evictions']} evictions · {stats['preemptions']} "
-        f"preemptions · prefix caching {'on' if stats['prefix_caching'] else 'off'} · model: {service.model_label}"
-    )
+def session_of(request: gr.Request) -> str:
+    return request.session_hash or "anonymous"
 
 
 class Playground:
     """Callbacks bound to one shared service; Gradio gives each the caller's session through gr.Request."""
 
-    def __init__(self, service: EngineService):
+    def __init__(self, service: PlaygroundService):
         self.service = service
+        self.backend = service.backend
+        self.ui: Components  # set by build_demo once the components exist
 
     # ----- run / stop ------------------------------------------------------------------------------------
     def run(
@@ -139,8 +104,7 @@ class Playground:
         request: gr.Request,
     ):
         panels = [prompt_1, prompt_2, prompt_3, prompt_4, prompt_5, prompt_6]
-        engine = self.service.current()
-        session = request.session_hash or "anonymous"
+        session = session_of(request)
         try:  # anything a client can send: NaN, None, strings where numbers belong
             n = int(n_panels)
             if not 1 <= n <= MAX_PANELS:
@@ -154,170 +118,155 @@ class Playground:
                     raise ValueError(f"Panel {i + 1}: prompt too long (max {2 * MAX_PROMPT_CHARS} characters).")
             if not 1 <= int(max_tokens) <= MAX_NEW_TOKENS:
                 raise ValueError(f"Max tokens must be between 1 and {MAX_NEW_TOKENS}.")
-            stream = engine.generate(
-                [format_prompt(engine, prefix, p) for p in prompts],
+            params = SamplingParams(
                 max_tokens=int(max_tokens),
                 temperature=float(temperature),
                 top_p=float(top_p),
                 top_k=int(top_k),
                 seed=None if seed is None else int(seed),
-                stream=True,
-                cache_salt=session if isolate_cache else None,
             )
-        except (ValueError, TypeError, OverflowError, EngineClosedError) as exc:
+            run = self.backend.submit(
+                [self.backend.format_prompt(prefix, p) for p in prompts], params, session if isolate_cache else None
+            )
+        except (ValueError, TypeError, OverflowError, BackendError) as exc:
             raise gr.Error(str(exc)) from None
-        self.service.register(stream.request_ids, session)
+        self.service.register(run.request_ids, session)
         answers = [""] * n
         coloured: set[int] = set()  # panels whose token colouring was sent (once: it never changes)
-        first = True
+        decode, special = self.backend.decode, self.backend.special_ids()
+        ui = self.ui
 
-        def frame() -> list[Any]:
-            nonlocal first
-            by_id = {info["id"]: info for info in engine.request_info(stream.request_ids)}
-            infos = [by_id.get(rid) for rid in stream.request_ids]
-            highlights: list[Any] = []
+        def frame(first: bool = False) -> dict:
+            by_id = {info.id: info for info in self.backend.request_info(run.request_ids)}
+            infos = [by_id.get(rid) for rid in run.request_ids]
+            update: dict = {ui.table: views.request_rows(infos, prompts)}
             for i in range(MAX_PANELS):
                 info = infos[i] if i < n else None
-                if info is not None and info["cached_tokens"] is not None and i not in coloured:
+                update[ui.outputs[i]] = answers[i] if i < n else ""
+                update[ui.badges[i]] = views.badge(info)
+                if info is not None and info.cached_tokens is not None and i not in coloured:
                     coloured.add(i)
-                    highlights.append(token_highlights(engine, info))
-                else:
-                    highlights.append(None if first else gr.skip())  # the first frame clears the last run's
-            first = False
-            outs = [answers[i] if i < n else "" for i in range(MAX_PANELS)]
-            badges = [badge(infos[i]) if i < n else "" for i in range(MAX_PANELS)]
-            return [*outs, *badges, *highlights, request_table(infos, prompts)]
+                    update[ui.highlights[i]] = views.token_highlights(info, decode, special)
+                elif first:
+                    update[ui.highlights[i]] = None  # clear the last run's colouring
+            return update
 
         try:
-            yield frame()
+            yield frame(first=True)
             last = time.monotonic()
-            for index, delta in stream:
+            for index, delta in run:
                 answers[index] += delta
                 if time.monotonic() - last >= THROTTLE_SECONDS:
                     last = time.monotonic()
                     yield frame()
             yield frame()
-        except EngineClosedError:
-            gr.Warning("The engine was rebuilt or stopped, so this run ended early.")
+        except BackendError as exc:
+            gr.Warning(str(exc))
             yield frame()
-        except RequestFailedError as exc:
-            raise gr.Error(str(exc)) from None
         finally:
-            stream.close()  # Stop, a closed tab or an error: release the pages now
+            run.close()  # Stop, a closed tab or an error: release the pages now
 
     # ----- the live charts --------------------------------------------------------------------------------
-    def refresh(self, view_state: dict | None, request: gr.Request):
-        engine = self.service.current()
-        session = request.session_hash or "anonymous"
+    def refresh(self, view_state: dict | None, request: gr.Request) -> dict:
+        backend, ui = self.backend, self.ui
         state = view_state or {}
-        fresh = state.get("engine") != id(engine)
-        events = engine.events(after=0 if fresh else state.get("seq", 0))
-        evicted = set() if fresh else {e["page"] for e in events if e["kind"] == "page_evicted"}
-        seq = events[-1]["seq"] if events else (0 if fresh else state.get("seq", 0))
-        stats = engine.cache_stats()
-        quiet = not fresh and not events and stats["steps"] == state.get("steps")
+        generation = backend.generation
+        fresh = state.get("generation") != generation
+        events = backend.events(after=0 if fresh else state.get("seq", 0))
+        evicted = set() if fresh else {e.page for e in events if isinstance(e, PageEvicted)}
+        seq = events[-1].seq if events else (0 if fresh else state.get("seq", 0))
+        stats = backend.stats()
+        quiet = not fresh and not events and stats.steps == state.get("steps")
+        new_state = {"generation": generation, "seq": seq, "steps": stats.steps, "settled": quiet}
         if quiet and state.get("settled"):  # nothing moved since the last drawing: spare the browser a redraw
-            return (*[gr.skip()] * 5, state)
-        history, now = list(self.service.history), time.time()
-        views = [self._page_view(engine, record, session, evicted) for record in engine.cache_snapshot()]
-        return (
-            charts.occupancy_chart(history, now),
-            charts.lru_chart(history, now),
-            charts.hit_rate_chart(history, now),
-            charts.page_map(views, lambda panel: f"panel {panel + 1}"),
-            stats_line(self.service, stats),
-            {"engine": id(engine), "seq": seq, "steps": stats["steps"], "settled": quiet},
+            return {ui.view_state: new_state}
+        series = views.series(backend.history(0), stats, time.time())
+        records = backend.snapshot()
+        requests = {r for record in records for r in (*record.requests, record.stored_by) if r is not None}
+        pages = views.page_views(
+            records, self.service.owners(sorted(requests)), session_of(request), evicted, backend.decode
         )
-
-    def _page_view(self, engine: InferenceEngine, record: dict, session: str, evicted: set[int]) -> charts.PageView:
-        owners = [self.service.owner(rid) for rid in record["requests"]]
-        mine = [o.panel for o in owners if o is not None and o.session == session]
-        visible = bool(mine) or (record["state"] == "cached" and self.service.origin(record["page"]) == session)
-        return charts.PageView(
-            page=record["page"],
-            state=record["state"],
-            ref_count=record["ref_count"],
-            lru_rank=record["lru_rank"],
-            chain_pos=record["chain_pos"],
-            panels=mine,
-            other_users=len(owners) - len(mine),
-            text=engine.tokenizer.decode(record["tokens"]) if visible and record["tokens"] else None,
-            just_evicted=record["page"] in evicted,
-        )
+        return {
+            ui.plots[0]: charts.occupancy_chart(series),
+            ui.plots[1]: charts.lru_chart(series),
+            ui.plots[2]: charts.hit_rate_chart(series),
+            ui.plots[3]: charts.page_map(pages, lambda panel: f"panel {panel + 1}"),
+            ui.stats: views.stats_line(stats, backend.label),
+            ui.view_state: new_state,
+        }
 
     # ----- buttons ----------------------------------------------------------------------------------------
     def cache_stats(self) -> dict:
-        """The shared engine's counters, for API clients (load tests, dashboards)."""
-        return self.service.current().cache_stats()
+        """The shared cache's counters, for API clients (load tests, dashboards)."""
+        return dataclasses.asdict(self.backend.stats())
 
     def clear_cache(self) -> None:
-        freed = self.service.current().clear()
+        freed = self.backend.clear()
         gr.Info(f"Prefix cache cleared: {freed} cached pages are free again.")
 
-    @staticmethod
-    def follow_up(n_panels, *texts):
+    def follow_up(self, n_panels, *texts) -> dict:
         prompts, outputs = texts[:MAX_PANELS], texts[MAX_PANELS:]
-        return [
-            (p + o + FOLLOW_UP) if i < int(n_panels) and o else gr.skip()
+        return {
+            self.ui.prompts[i]: p + o + FOLLOW_UP
             for i, (p, o) in enumerate(zip(prompts, outputs, strict=True))
-        ]
+            if i < int(n_panels) and o
+        }
 
     def apply_settings(self, model_label, page_size, n_pages, max_batch, prefix_caching, dtype, progress=gr.Progress()):  # noqa: B008 - gradio injects progress through the default
-        settings = EngineSettings(
-            page_size=int(page_size),
-            n_pages=int(n_pages),
-            max_batch_size=int(max_batch),
-            prefix_caching=bool(prefix_caching),
-            dtype=str(dtype),
-        )
-        progress(0.1, desc=f"Loading {model_label} and building the engine…")
+        try:
+            settings = EngineSettings(
+                page_size=int(page_size),
+                n_pages=int(n_pages),
+                max_batch_size=int(max_batch),
+                prefix_caching=bool(prefix_caching),
+                dtype=str(dtype),
+            )
+        except (ValueError, TypeError) as exc:
+            raise gr.Error(str(exc)) from None
+        return {self.ui.engine_status: self._rebuild(str(model_label), settings, progress)}
+
+    def _rebuild(self, label: str, settings: EngineSettings, progress: gr.Progress) -> str:
+        backend = self.backend
+        if not isinstance(backend, LocalBackend):
+            return "This backend's settings belong to its server; the playground cannot change them."
+        progress(0.1, desc=f"Loading {label} and building the engine…")
         started = time.monotonic()
         try:
-            self.service.rebuild(model_label, settings)
+            backend.rebuild(label, settings)
         except Exception as exc:  # offline, unsupported, out of memory: keep serving the current engine
             gr.Warning(f"Could not switch: {exc}")
-            return (
-                f"❌ Could not load **{model_label}** with these settings: `{exc}`. "
-                f"Still serving **{self.service.model_label}**."
-            )
+            return f"❌ Could not load **{label}** with these settings: `{exc}`. Still serving **{backend.label}**."
         progress(1.0)
-        return f"✅ **{model_label}** ready in {time.monotonic() - started:.1f} s ({settings})."
+        return f"✅ **{label}** ready in {time.monotonic() - started:.1f} s ({settings})."
 
-    def load_scenario(self, name, progress=gr.Progress()):  # noqa: B008
+    def load_scenario(self, name, progress=gr.Progress()) -> dict:  # noqa: B008
         scenario = SCENARIO_BY_NAME.get(name)
         if scenario is None:
-            return [gr.skip()] * (9 + 2 * MAX_PANELS)
-        status = gr.skip()
-        s = scenario.settings
-        if s != self.service.settings:
-            status = self.apply_settings(
-                self.service.model_label,
-                s.page_size,
-                s.n_pages,
-                s.max_batch_size,
-                s.prefix_caching,
-                s.dtype,
-                progress=progress,
-            )
+            return {}
+        ui = self.ui
+        update: dict = {
+            ui.scenario_note: f"**{scenario.name}:** {scenario.explanation}",
+            ui.shared_prefix: scenario.prefix,
+            ui.n_panels: len(scenario.prompts),
+            ui.max_tokens: scenario.max_tokens,
+        }
         prompts = scenario.prompts + [""] * (MAX_PANELS - len(scenario.prompts))
-        return [
-            f"**{scenario.name}:** {scenario.explanation}",
-            scenario.prefix,
-            len(scenario.prompts),
-            *prompts,
-            *([""] * MAX_PANELS),
-            scenario.max_tokens,
-            s.page_size,
-            s.n_pages,
-            s.max_batch_size,
-            s.prefix_caching,
-            status,
-        ]
+        update.update({box: text for box, text in zip(ui.prompts, prompts, strict=True)})
+        update.update({box: "" for box in ui.outputs})
+        wanted = scenario.settings
+        if isinstance(self.backend, LocalBackend) and wanted != self.backend.settings:
+            update[ui.engine_status] = self._rebuild(self.backend.label, wanted, progress)
+        if isinstance(self.backend, LocalBackend):
+            current = self.backend.settings
+            update.update({box: getattr(current, field) for field, box in ui.settings.items()})
+        return update
 
 
-def build_demo(service: EngineService) -> gr.Blocks:
+def build_demo(service: PlaygroundService) -> gr.Blocks:
     app = Playground(service)
-    settings = service.settings
+    backend = service.backend
+    local = isinstance(backend, LocalBackend)
+    settings = backend.settings if isinstance(backend, LocalBackend) else EngineSettings()
     with gr.Blocks(title="AstrAI playground: see the KV cache", analytics_enabled=False) as demo:
         gr.Markdown(INTRO)
         with gr.Row():
@@ -389,22 +338,46 @@ def build_demo(service: EngineService) -> gr.Blocks:
                     with gr.Column():
                         plots.append(gr.Plot(elem_id=f"plot_{2 * row + col}", show_label=False))
                         gr.Markdown(f"<small>{CAPTIONS[2 * row + col]}</small>")
-        table = gr.DataFrame(headers=TABLE_COLUMNS, label="Your requests", interactive=False, elem_id="requests")
-        with gr.Accordion("Engine settings (shared by every visitor; applying rebuilds the engine)", open=False):
+        table = gr.DataFrame(headers=views.TABLE_COLUMNS, label="Your requests", interactive=False, elem_id="requests")
+        with gr.Accordion(
+            "Engine settings (shared by every visitor; applying rebuilds the engine)", open=False, visible=local
+        ):
             with gr.Row():
-                model = gr.Dropdown(list(MODEL_CHOICES), value=service.model_label, label="Model")
-                page_size = gr.Dropdown([4, 8, 16, 32, 64], value=settings.page_size, label="Page size (tokens)")
-                n_pages = gr.Slider(8, 1024, value=settings.n_pages, step=8, label="Pool size (pages)")
-                max_batch = gr.Slider(1, 16, value=settings.max_batch_size, step=1, label="Max batch")
+                model = gr.Dropdown(list(MODEL_CHOICES), value=backend.label, label="Model")
+                page_size = gr.Dropdown(list(PAGE_SIZES), value=settings.page_size, label="Page size (tokens)")
+                n_pages = gr.Slider(*POOL_PAGES, value=settings.n_pages, step=8, label="Pool size (pages)")
+                max_batch = gr.Slider(*BATCH_SIZES, value=settings.max_batch_size, step=1, label="Max batch")
                 prefix_caching = gr.Checkbox(settings.prefix_caching, label="Prefix caching")
-                dtype = gr.Radio(["float32", "bfloat16"], value=settings.dtype, label="dtype")
+                dtype = gr.Radio(list(DTYPES), value=settings.dtype, label="dtype")
             apply_btn = gr.Button("Apply settings / load model", elem_id="apply_btn")
             engine_status = gr.Markdown(elem_id="engine_status")
         view_state = gr.State({})
+        app.ui = Components(
+            scenario_note=scenario_note,
+            shared_prefix=shared_prefix,
+            n_panels=n_panels,
+            prompts=prompts,
+            outputs=outputs,
+            badges=badges,
+            highlights=highlights,
+            table=table,
+            max_tokens=max_tokens,
+            plots=plots,
+            stats=stats,
+            view_state=view_state,
+            settings=dict(
+                page_size=page_size,
+                n_pages=n_pages,
+                max_batch_size=max_batch,
+                prefix_caching=prefix_caching,
+                dtype=dtype,
+            ),
+            engine_status=engine_status,
+        )
         gr.api(app.cache_stats, api_name="cache_stats", concurrency_limit=8)
 
         n_panels.change(
-            lambda k: [gr.Column(visible=i < int(k)) for i in range(MAX_PANELS)],
+            lambda k: {column: gr.Column(visible=i < int(k)) for i, column in enumerate(columns)},
             n_panels,
             columns,
             queue=False,
@@ -422,11 +395,10 @@ def build_demo(service: EngineService) -> gr.Blocks:
         stop_btn.click(fn=None, cancels=[run_event], api_name="stop")
         clear_btn.click(app.clear_cache, api_name="clear_cache", concurrency_limit=4)
         follow_btn.click(app.follow_up, [n_panels, *prompts, *outputs], prompts, api_visibility="private")
-        settings_inputs = [model, page_size, n_pages, max_batch, prefix_caching, dtype]
         apply_btn.click(
             app.apply_settings,
-            settings_inputs,
-            engine_status,
+            [model, page_size, n_pages, max_batch, prefix_caching, dtype],
+            [engine_status],
             api_name="apply_settings",
             concurrency_limit=1,
             concurrency_id="rebuild",
@@ -441,10 +413,7 @@ def build_demo(service: EngineService) -> gr.Blocks:
                 *prompts,
                 *outputs,
                 max_tokens,
-                page_size,
-                n_pages,
-                max_batch,
-                prefix_caching,
+                *app.ui.settings.values(),
                 engine_status,
             ],
             api_name="load_scenario",

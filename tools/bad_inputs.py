@@ -1,4 +1,4 @@
-"""Bad input, one catalogue: the tests check every case, and ``python -m astrai.bad_inputs`` prints the table of
+"""Bad input, one catalogue: the tests check every case, and ``python -m tools.bad_inputs`` prints the table of
 errors a user sees (docs/reliability.md). After each case the engine must still serve."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from astrai.engine import InferenceEngine, ModelLoadError
-from astrai.testing import make_model, make_tokenizer, write_checkpoint
+from tests.support.tiny_models import make_model, make_tokenizer, write_checkpoint
 
 PROMPT = "Once upon a time there was a little cat."
 MAX_SEQ_LEN = 200  # the engine the catalogue runs against

@@ -6,7 +6,6 @@ Shared by the tests, the soak and the fuzz runs: they need real transformers mod
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -108,13 +107,3 @@ def write_checkpoint(path: Path, kind: str) -> Path:
         if kind == "pickle_only":
             torch.save(model.state_dict(), path / "pytorch_model.bin")  # a pickle, as old checkpoints ship
     return path
-
-
-def wait_until(predicate, timeout: float = 5.0, interval: float = 0.01) -> bool:
-    """Poll ``predicate`` until it holds or ``timeout`` passes; returns its last value (bounded, never hangs)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return bool(predicate())

@@ -1,4 +1,4 @@
-"""Load test of the playground: ``python -m astrai.playground.loadtest --clients 16 --rounds 3``.
+"""Load test of the playground: ``python -m tools.loadtest --clients 16 --rounds 3``.
 
 Starts app.py on loopback (or uses ``--url``), then runs concurrent gradio_client users, each sending 4-panel
 batches for several rounds and cancelling some mid-stream. It reports completed / errors / cancelled counts,
@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-APP = Path(__file__).resolve().parents[2] / "app.py"
+APP = Path(__file__).resolve().parents[1] / "app.py"
 PROMPTS = [
     "One day, he found a",
     "One day, his cat",

@@ -1,4 +1,4 @@
-"""Benchmark: ``python -m astrai.bench`` runs the engine (prefix caching on and off, and with its weights left
+"""Benchmark: ``python -m benchmarks.bench`` runs the engine (prefix caching on and off, and with its weights left
 unpacked) against transformers' ``generate`` on a padded batch and transformers' continuous batching,
 interleaved in one process.
 
@@ -137,7 +137,7 @@ def make_workloads(vocab: int, seed: int = 0) -> list[Workload]:
 # ----- methods --------------------------------------------------------------------------------------------
 def run_engine(engine: InferenceEngine, work: Workload, name: str) -> Result:
     engine.clear()  # every run starts cold; hits come only from sharing within the batch
-    steps_before = len(engine.step_log)
+    steps_before = engine.steps
     with RssSampler() as rss:
         started = time.perf_counter()
         stream = engine.generate_ids(work.prompts, max_tokens=work.new_tokens, stream=True)
@@ -145,17 +145,17 @@ def run_engine(engine: InferenceEngine, work: Workload, name: str) -> Result:
             pass
         wall = time.perf_counter() - started
     infos = engine.request_info(stream.request_ids)
-    steps = list(engine.step_log)[steps_before:]
-    decode = [s for tokens, reqs, s in steps if tokens == reqs and reqs == len(work.prompts)]
+    steps = engine.history(after_step=steps_before)
+    decode = [s.duration_s for s in steps if s.decode_tokens == len(s.requests) == len(work.prompts)]
     return Result(
         method=name,
         wall=wall,
-        generated=sum(i["generated_tokens"] for i in infos),
-        ttft=statistics.median(i["ttft"] for i in infos),
-        prompt_computed=sum(i["prompt_tokens"] - (i["cached_tokens"] or 0) for i in infos),
+        generated=sum(i.generated_tokens for i in infos),
+        ttft=statistics.median(i.ttft for i in infos),
+        prompt_computed=sum(i.prompt_tokens - (i.cached_tokens or 0) for i in infos),
         decode_ms=statistics.median(decode) * 1000 if decode else None,
         peak_rss_mb=rss.peak,
-        outputs=[i["output_ids"] for i in infos],
+        outputs=[list(i.output_ids) for i in infos],
     )
 
 

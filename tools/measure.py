@@ -1,4 +1,4 @@
-"""Measure the playground in headless Chromium: `python -m astrai.playground.measure`.
+"""Measure the playground in headless Chromium: `python -m tools.measure`.
 
 Prints: page load to interactive, click to first token visible, visible updates per second per panel (4 panels),
 and the cost of the live charts (frames per second and text updates per second with the Timer on vs off).
@@ -12,8 +12,8 @@ import time
 
 from playwright.sync_api import Page
 
-from astrai.playground.browser import open_playground
-from astrai.playground.loadtest import launch_app
+from tools.browser import open_playground
+from tools.loadtest import launch_app
 
 # Counts animation frames and distinct visible texts of each output box, from inside the page.
 PROBE = """

@@ -1,0 +1,158 @@
+"""The observation API: what the engine tells the outside world about its cache, typed and immutable.
+
+Everything a dashboard, a benchmark or the playground reads goes through these records. They are frozen, so a
+reader can keep one as long as it likes while the engine moves on. vLLM v1 is the model: its ``SchedulerStats`` /
+``PrefixCacheStats`` for the counters, and its ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` events.
+
+Counting rules (the charts' captions say exactly this):
+
+* ``query_tokens`` / ``hit_tokens`` count each request once, at its *first* admission: the prompt's tokens, and
+  those served from the prefix cache. A request preempted and re-admitted is counted apart, in
+  ``readmitted_query_tokens`` / ``readmitted_hit_tokens``, so ``hit_tokens <= query_tokens`` always holds.
+* A hit is capped at ``len(prompt) - 1``: the last prompt token is always recomputed for its logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """The cache and scheduler counters at one moment."""
+
+    n_pages: int
+    page_size: int
+    free_pages: int
+    used_pages: int  # ref count >= 1
+    cached_pages: int  # ref count 0, indexed, in the LRU (evictable)
+    query_tokens: int  # prompt tokens looked up, once per request (first admission)
+    hit_tokens: int  # of those, tokens served from the prefix cache
+    readmitted_query_tokens: int  # tokens looked up again when a preempted request came back
+    readmitted_hit_tokens: int
+    hit_rate: float  # hit_tokens / query_tokens, in [0, 1]
+    recent_hit_rate: float  # the same over the last ``HIT_WINDOW`` first admissions
+    evictions: int
+    stored_pages: int  # pages ever registered in the prefix index
+    preemptions: int
+    running: int
+    waiting: int
+    finished: int  # requests that ended by EOS or max_tokens
+    cancelled: int
+    failed: int
+    steps: int
+    prefix_caching: bool
+
+
+@dataclass(frozen=True)
+class PageRecord:
+    """One page as the engine sees it. ``token_ids`` are the KV it holds (empty when free)."""
+
+    page: int
+    state: str  # "free" | "in_use" | "cached"
+    ref_count: int
+    lru_rank: int | None  # 0 = evicted next; None unless cached
+    requests: tuple[int, ...]  # running requests whose page table holds it
+    chain_pos: int  # the page's index in its chain (-1 when it has none)
+    key: bytes | None  # its chained hash, once registered in the prefix index
+    parent_key: bytes | None  # the previous page's key (None for a chain's first page)
+    stored_by: int | None  # the request whose forward wrote the registered KV
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class EngineEvent:
+    """Base of every event: ``seq`` grows by one per event; ``step`` is the engine step it happened in."""
+
+    seq: int
+    step: int
+    time: float
+
+
+@dataclass(frozen=True)
+class PageStored(EngineEvent):
+    """A full page was registered in the prefix index after the forward that wrote it."""
+
+    page: int
+    key: bytes
+    parent_key: bytes | None
+    chain_pos: int
+    request: int | None
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PageEvicted(EngineEvent):
+    """A cached page was taken from the LRU for a new allocation; its KV is gone."""
+
+    page: int
+    key: bytes
+
+
+@dataclass(frozen=True)
+class CacheCleared(EngineEvent):
+    """The prefix index was emptied: ``pages`` cached pages went free (in-use pages were only unindexed)."""
+
+    pages: int
+
+
+@dataclass(frozen=True)
+class RequestAdmitted(EngineEvent):
+    """A waiting request got a batch slot; ``cached_tokens`` of it came from the prefix cache."""
+
+    request: int
+    prompt_tokens: int
+    cached_tokens: int
+    hit_pages: tuple[int, ...]
+    readmission: bool  # True when it comes back after a preemption
+
+
+@dataclass(frozen=True)
+class RequestPreempted(EngineEvent):
+    """A running request gave its pages back (registered ones stay cached) and waits to be recomputed."""
+
+    request: int
+
+
+@dataclass(frozen=True)
+class RequestFinished(EngineEvent):
+    """A request ended; ``status`` is "finished", "cancelled" or "failed"."""
+
+    request: int
+    status: str
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One engine step, recorded as it ended: what the charts draw, at the engine's own pace."""
+
+    step: int
+    time: float  # wall clock (time.time()) at the end of the step
+    duration_s: float  # schedule + forward + sampling
+    free_pages: int
+    used_pages: int
+    cached_pages: int
+    prefill_tokens: int  # prompt (or recomputed) tokens run through the model in this step
+    decode_tokens: int
+    hit_tokens: int  # tokens served from the cache to requests admitted in this step (first admissions)
+    query_tokens: int
+    evictions: int  # in this step
+    preemptions: int  # in this step
+    requests: tuple[int, ...]  # requests the step computed
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """Per-request progress, for badges and tables."""
+
+    id: int
+    status: str
+    prompt_tokens: int
+    cached_tokens: int | None  # prefix hit at first admission; None before it
+    generated_tokens: int
+    preemptions: int
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+    ttft: float | None
+    tokens_per_s: float | None
+    error: str | None

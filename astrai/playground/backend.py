@@ -1,0 +1,75 @@
+"""The one interface the playground reads a cache through: the in-process engine, or (later) a vLLM server.
+
+The UI depends on this protocol and on the typed records of ``astrai.observation``; never on an engine's internals.
+A backend that cannot give a quantity says so (``None``, or a caption of its own) rather than inventing it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+from astrai.observation import CacheStats, EngineEvent, PageRecord, RequestInfo, StepSample
+from astrai.sampling import SamplingParams
+
+
+class BackendError(RuntimeError):
+    """Base of the errors a run can end with; the message is meant for the visitor."""
+
+
+class BackendUnavailable(BackendError):
+    """The cache behind the backend went away: the engine was rebuilt or stopped, or the server is down."""
+
+
+class RunFailed(BackendError):
+    """A request of the run failed (a step that computed it raised, or the server answered an error)."""
+
+
+class Run(Protocol):
+    """One batch of prompts in flight. Iterating yields ``(panel index, text delta)``; ``close`` cancels."""
+
+    request_ids: list[int]
+
+    def __iter__(self) -> Iterator[tuple[int, str]]: ...
+
+    def close(self) -> None: ...
+
+
+class Backend(Protocol):
+    @property
+    def label(self) -> str:
+        """The model being served, as the UI names it."""
+        ...
+
+    @property
+    def generation(self) -> int:
+        """Grows whenever the cache behind the backend is replaced: sequence numbers restart with it."""
+        ...
+
+    def format_prompt(self, prefix: str, prompt: str) -> str:
+        """The text that reaches the model: instruct models get their chat template, base models ``prefix + prompt``."""
+        ...
+
+    def submit(self, prompts: list[str], params: SamplingParams, salt: str | None) -> Run:
+        """Start every prompt at once (one batch); bad input raises ``ValueError``/``TypeError`` before any runs."""
+        ...
+
+    def cancel(self, request_ids: list[int]) -> None: ...
+
+    def clear(self) -> int:
+        """Empty the prefix cache; returns the cached pages freed."""
+        ...
+
+    def stats(self) -> CacheStats: ...
+
+    def snapshot(self) -> list[PageRecord]: ...
+
+    def events(self, after: int) -> list[EngineEvent]: ...
+
+    def history(self, after_step: int) -> list[StepSample]: ...
+
+    def request_info(self, request_ids: list[int]) -> list[RequestInfo]: ...
+
+    def decode(self, token_ids: tuple[int, ...] | list[int]) -> str: ...
+
+    def special_ids(self) -> set[int]: ...

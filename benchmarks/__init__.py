@@ -1,0 +1,1 @@
+"""Benchmarks of the engine against its peers (outside the library package)."""

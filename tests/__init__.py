@@ -1,0 +1,1 @@
+"""Tests of the engine and the playground; ``tests.support`` holds what tests and tools share."""

@@ -1,0 +1,1 @@
+"""Helpers shared by the tests and the tools: tiny offline checkpoints, bounded waiting."""

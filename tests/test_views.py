@@ -1,0 +1,130 @@
+"""The pure view functions, without a browser: the privacy rule, badges and the chart series."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from astrai.observation import CacheStats, PageRecord, RequestInfo, StepSample
+from astrai.playground import views
+from astrai.playground.service import Owner
+
+ME, THEM = "session-me", "session-them"
+OWNERS = {1: Owner(ME, 0), 2: Owner(ME, 1), 7: Owner(THEM, 0)}
+
+
+def record(page: int, state: str, requests=(), stored_by=None, tokens=(5, 6)) -> PageRecord:
+    return PageRecord(
+        page=page,
+        state=state,
+        ref_count=len(requests),
+        lru_rank=0 if state == "cached" else None,
+        requests=tuple(requests),
+        chain_pos=0 if tokens else -1,
+        key=b"k" if stored_by is not None else None,
+        parent_key=None,
+        stored_by=stored_by,
+        token_ids=tuple(tokens),
+    )
+
+
+def decode(ids: list[int]) -> str:
+    return "".join(f"<{i}>" for i in ids)
+
+
+def test_a_visitor_sees_only_the_text_of_pages_their_requests_use_or_stored():
+    records = [
+        record(0, "in_use", requests=[1, 7], stored_by=7),  # theirs, but my panel 1 uses it now
+        record(1, "cached", stored_by=2),  # mine, cached
+        record(2, "cached", stored_by=7),  # theirs, cached
+        record(3, "in_use", requests=[7]),  # theirs, still being filled
+        record(4, "in_use", requests=[7], stored_by=1),  # they hit a page I stored
+        record(5, "cached", stored_by=99),  # a request nobody remembers
+        record(6, "free", tokens=()),
+    ]
+    pages = views.page_views(records, OWNERS, ME, evicted={2}, decode=decode)
+    assert [p.text is not None for p in pages] == [True, True, False, False, True, False, False]
+    assert pages[0].panels == (0,) and pages[0].other_users == 1
+    assert pages[3].panels == () and pages[3].other_users == 1
+    assert pages[2].just_evicted and not pages[1].just_evicted
+    theirs = views.page_views(records, OWNERS, THEM, evicted=set(), decode=decode)
+    assert [p.text is not None for p in theirs] == [True, False, True, True, True, False, False]
+
+
+def info(**changes) -> RequestInfo:
+    base = RequestInfo(
+        id=1,
+        status="running",
+        prompt_tokens=40,
+        cached_tokens=32,
+        generated_tokens=3,
+        preemptions=0,
+        prompt_ids=(0, 5, 6),
+        output_ids=(1, 2, 3),
+        ttft=0.123,
+        tokens_per_s=50.0,
+        error=None,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def test_badges_say_what_was_counted():
+    assert views.badge(info()) == "**40** prompt tokens · **32** cached (80%) · TTFT 0.12 s · 50.0 tok/s"
+    assert views.badge(info(cached_tokens=None, ttft=None, tokens_per_s=None)) == "**40** prompt tokens"
+    assert views.badge(info(status="cancelled", preemptions=2)).endswith("preempted ×2 · cancelled")
+    assert views.badge(None) == ""
+
+
+def test_token_highlights_mark_cached_tokens_and_special_tokens():
+    pieces = views.token_highlights(info(cached_tokens=2), decode, special_ids={0})
+    assert pieces == [(views.SPECIAL_TOKEN_TEXT, "cached"), ("<5>", "cached"), ("<6>", "computed")]
+
+
+def stats(**changes) -> CacheStats:
+    zero = {f.name: 0 for f in dataclasses.fields(CacheStats)}
+    return CacheStats(**(zero | dict(n_pages=16, page_size=4, hit_rate=0.0, recent_hit_rate=0.0) | changes))
+
+
+def sample(step: int, t: float, hits: int = 0, queries: int = 0, evictions: int = 0) -> StepSample:
+    return StepSample(
+        step=step,
+        time=t,
+        duration_s=0.01,
+        free_pages=10,
+        used_pages=6,
+        cached_pages=0,
+        prefill_tokens=queries,
+        decode_tokens=0,
+        hit_tokens=hits,
+        query_tokens=queries,
+        evictions=evictions,
+        preemptions=0,
+        requests=(1,),
+    )
+
+
+def test_series_recover_the_cumulative_hit_rate_at_every_step():
+    history = [
+        sample(1, 100.0, hits=0, queries=40),
+        sample(2, 100.5),
+        sample(3, 101.0, hits=30, queries=40, evictions=2),
+    ]
+    now_stats = stats(hit_tokens=30, query_tokens=80, hit_rate=30 / 80, free_pages=16)
+    data = views.series(history, now_stats, now=102.0)
+    assert data.ages == [-2.0, -1.5, -1.0, 0.0]
+    assert data.hit_rate == [0.0, 0.0, 30 / 80, 30 / 80]
+    assert data.step_hit_rate == [0.0, 0.75] and data.step_hit_ages == [-2.0, -1.0]
+    assert data.evictions == [0, 0, 2, 2]
+    assert data.free[-1] == 16  # the right edge is now, not the last step
+
+
+def test_series_keep_only_the_window_and_never_exceed_one():
+    history = [sample(1, 0.0, hits=10, queries=10), sample(2, 500.0, hits=5, queries=10)]
+    data = views.series(history, stats(hit_tokens=15, query_tokens=20, hit_rate=0.75), now=510.0, window_s=60)
+    assert data.ages == [-10.0, 0.0]
+    assert data.hit_rate == [0.75, 0.75]
+    assert all(r is None or 0 <= r <= 1 for r in data.hit_rate)
+
+
+def test_the_stats_line_names_what_the_hit_rate_counts():
+    line = views.stats_line(stats(hit_tokens=30, query_tokens=80, hit_rate=0.375, readmitted_query_tokens=9), "m")
+    assert "hits 30 of 80 prompt tokens (38%)" in line and "on re-admission" in line

@@ -1,0 +1,1 @@
+"""Soak, bad-input catalogue, load test and browser measurements (outside the library package)."""
