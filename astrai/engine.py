@@ -8,6 +8,7 @@ import random
 import threading
 import time
 from collections import Counter, OrderedDict, deque
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from astrai.kv_cache_manager import KVCacheManager
 from astrai.model_runner import SUPPORTED_DTYPES, ModelRunner, check_supported, kv_bytes_per_token
 from astrai.observation import (
     CacheCleared,
+    CacheSnapshot,
     CacheStats,
     EngineEvent,
     PageRecord,
@@ -251,41 +253,43 @@ class InferenceEngine:
                 prefix_caching=cache.prefix_caching,
             )
 
-    def cache_snapshot(self) -> list[PageRecord]:
-        """One record per page: state, ref count, LRU rank, running owners, chain position, keys and tokens.
-
-        A page still being filled is not indexed yet; its tokens are read from its first running owner.
-        """
+    def cache_snapshot(self) -> CacheSnapshot:
+        """Every page after ``step`` completed steps: state, ref count, LRU rank, running owners, keys and tokens."""
         with self._lock:
-            pool, size = self.pool, self.pool.page_size
-            ranks = pool.lru_rank()
-            owners: dict[int, list[int]] = {}
-            seen: dict[int, tuple[Request, int]] = {}
-            for req in self.scheduler.running:
-                for i, page in enumerate(req.pages):
-                    owners.setdefault(page, []).append(req.id)
-                    seen.setdefault(page, (req, i))
-            records = []
-            for page in range(pool.n_pages):
-                tokens, pos = pool.tokens[page], pool.chain_pos[page]
-                if tokens is None and page in seen:
-                    req, pos = seen[page]
-                    tokens = tuple(req.token_ids[pos * size : min((pos + 1) * size, req.num_computed)])
-                records.append(
-                    PageRecord(
-                        page=page,
-                        state=pool.state(page).value,
-                        ref_count=pool.ref_count[page],
-                        lru_rank=ranks.get(page),
-                        requests=tuple(owners.get(page, ())),
-                        chain_pos=pos,
-                        key=pool.key[page],
-                        parent_key=pool.parent_key[page],
-                        stored_by=pool.stored_by[page],
-                        token_ids=tuple(tokens or ()),
-                    )
+            return CacheSnapshot(step=self.steps, pages=tuple(self._page_records(range(self.pool.n_pages))))
+
+    def _page_records(self, pages: Iterable[int]) -> list[PageRecord]:
+        """Records of these pages. A page still being filled is not indexed yet: its tokens come from its owner."""
+        pool, size = self.pool, self.pool.page_size
+        ranks = pool.lru_rank()
+        owners: dict[int, list[int]] = {}
+        seen: dict[int, tuple[Request, int]] = {}
+        for req in self.scheduler.running:
+            for i, page in enumerate(req.pages):
+                owners.setdefault(page, []).append(req.id)
+                seen.setdefault(page, (req, i))
+        records = []
+        for page in pages:
+            tokens, pos = pool.tokens[page], pool.chain_pos[page]
+            if tokens is None and page in seen:
+                req, pos = seen[page]
+                tokens = tuple(req.token_ids[pos * size : min((pos + 1) * size, req.num_computed)])
+            records.append(
+                PageRecord(
+                    page=page,
+                    state=pool.state(page).value,
+                    ref_count=pool.ref_count[page],
+                    lru_rank=ranks.get(page),
+                    requests=tuple(owners.get(page, ())),
+                    chain_pos=pos,
+                    key=pool.key[page],
+                    parent_key=pool.parent_key[page],
+                    stored_by=pool.stored_by[page],
+                    hits=pool.hits[page],
+                    token_ids=tuple(tokens or ()),
                 )
-            return records
+            )
+        return records
 
     def events(self, after: int = 0) -> list[EngineEvent]:
         """Events with ``seq`` above ``after``, oldest first. Never waits for the loop: see the class docstring.
@@ -409,8 +413,8 @@ class InferenceEngine:
             sampled = [req for req, count in work if req.num_computed + count == len(req.token_ids)]
             tokens = sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
             with self._lock:
-                outbox = self._finish_step(work, dict(zip(sampled, tokens, strict=True)))
-                self._record_step(work, before, started)
+                outbox, appended = self._finish_step(work, dict(zip(sampled, tokens, strict=True)))
+                self._record_step(work, before, started, appended)
         except Exception as exc:
             log.exception("astrai step failed")
             with self._lock:
@@ -418,13 +422,21 @@ class InferenceEngine:
                 # a scheduling failure leaves no trustworthy bookkeeping: fail everything it was juggling
                 victims = [req for req, _ in work] or [*self.scheduler.running, *self.scheduler.waiting]
                 outbox = self._fail(victims, RequestFailedError(f"the step computing this request failed: {exc!r}"))
-                self._record_step([], before, started)
+                self._record_step([], before, started, [])
         _deliver(outbox)
 
-    def _finish_step(self, work: list[tuple[Request, int]], tokens: dict[Request, int]) -> list[Delivery]:
+    def _finish_step(
+        self, work: list[tuple[Request, int]], tokens: dict[Request, int]
+    ) -> tuple[list[Delivery], list[tuple[int, int]]]:
+        """Advance the computed KV, register full pages, append the sampled tokens; returns the stream items to
+        deliver and the (request, token) pairs appended."""
         now = time.monotonic()
         outbox: list[Delivery] = []
+        appended: list[tuple[int, int]] = []
+        size = self.pool.page_size
         for req, count in work:
+            for i in range(req.num_computed // size, (req.num_computed + count - 1) // size + 1):
+                self.pool.touch(req.pages[i])  # its KV grew: the step history records its new tokens
             req.num_computed += count
             self.cache.commit(req)
         self.cache.end_step()
@@ -432,6 +444,7 @@ class InferenceEngine:
             if req.done:
                 continue
             req.token_ids.append(token)
+            appended.append((req.id, token))
             req.first_token_at = req.first_token_at or now
             items, index, detok = self._outputs[req.id]
             delta = detok.push(token)
@@ -443,13 +456,22 @@ class InferenceEngine:
                     outbox.append((items, (index, "delta", tail)))
                 self._end(req, Status.FINISHED)
                 outbox.append((items, (index, "done", None)))
-        return outbox
+        return outbox, appended
 
     def _counters(self) -> tuple[int, int, int, int]:
         return self.pool.stats.evictions, self.scheduler.preemptions, self.cache.hit_tokens, self.cache.query_tokens
 
-    def _record_step(self, work: list[tuple[Request, int]], before: tuple[int, int, int, int], started: float) -> None:
-        """Close the step: count it, and sample the cache for the charts (deltas of the cumulative counters)."""
+    def _record_step(
+        self,
+        work: list[tuple[Request, int]],
+        before: tuple[int, int, int, int],
+        started: float,
+        appended: list[tuple[int, int]],
+    ) -> None:
+        """Close the step: count it, and record what changed (deltas of the counters, tokens, changed pages).
+
+        Changes made between steps (a cancel, a ``clear()``) are recorded with the next step.
+        """
         self.steps += 1
         evictions, preemptions, hits, queries = (now - then for now, then in zip(self._counters(), before, strict=True))
         decode = sum(1 for req, count in work if count == 1 and req.num_computed > req.prompt_len)
@@ -467,6 +489,8 @@ class InferenceEngine:
             evictions=evictions,
             preemptions=preemptions,
             requests=tuple(req.id for req, _ in work),
+            sampled=tuple(appended),
+            page_changes=tuple(self._page_records(self.pool.take_touched())),
         )
         with self._observed_lock:
             self._history.append(sample_)

@@ -57,7 +57,16 @@ class PageRecord:
     key: bytes | None  # its chained hash, once registered in the prefix index
     parent_key: bytes | None  # the previous page's key (None for a chain's first page)
     stored_by: int | None  # the request whose forward wrote the registered KV
+    hits: int  # prefix hits this page has served since it was registered
     token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CacheSnapshot:
+    """Every page, as it was after ``step`` engine steps (taken under the engine lock, so it is consistent)."""
+
+    step: int
+    pages: tuple[PageRecord, ...]
 
 
 @dataclass(frozen=True)
@@ -139,6 +148,8 @@ class StepSample:
     evictions: int  # in this step
     preemptions: int  # in this step
     requests: tuple[int, ...]  # requests the step computed
+    sampled: tuple[tuple[int, int], ...]  # (request, token id) for every token this step appended
+    page_changes: tuple[PageRecord, ...]  # pages whose state, refs or owners changed, in order of their last change
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,8 @@ class PagePool:
         self.chain_pos: list[int] = [-1] * n_pages
         self.parent_key: list[PageKey | None] = [None] * n_pages
         self.stored_by: list[int | None] = [None] * n_pages  # the request whose forward wrote the indexed KV
+        self.hits: list[int] = [0] * n_pages  # prefix hits served since the page was registered
+        self.touched: dict[int, None] = {}  # pages changed since ``take_touched``, in the order of their last change
         self.index: dict[PageKey, int] = {}
         self.lru: OrderedDict[int, None] = OrderedDict()  # first = least recently used
         self.free: deque[int] = deque(range(n_pages))
@@ -115,6 +117,8 @@ class PagePool:
                 raise RuntimeError(f"page {page} is free; only in-use or cached pages can be shared")
             del self.lru[page]
         self.ref_count[page] += 1
+        self.hits[page] += 1
+        self.touch(page)
 
     def allocate(self) -> int:
         """A fresh page with ref count 1: from the free list, else by evicting the LRU cached page."""
@@ -129,6 +133,7 @@ class PagePool:
         else:
             raise MemoryError("no free or evictable page left")
         self.ref_count[page] = 1
+        self.touch(page)
         return page
 
     def release(self, pages: Sequence[int]) -> None:
@@ -137,6 +142,7 @@ class PagePool:
             if self.ref_count[page] <= 0:
                 raise RuntimeError(f"page {page} released more often than acquired")
             self.ref_count[page] -= 1
+            self.touch(page)
             if self.ref_count[page] == 0:
                 if self.key[page] is not None:
                     self.lru[page] = None
@@ -167,6 +173,7 @@ class PagePool:
         self.parent_key[page] = parent
         self.stored_by[page] = request
         self.stats.stored += 1
+        self.touch(page)
         self._emit(
             PageStored,
             page=page,
@@ -183,6 +190,7 @@ class PagePool:
         freed = len(self.lru)
         for page in self.index.values():
             self._reset(page)
+            self.touch(page)
         self.free.extend(self.lru)
         self.lru.clear()
         self.index.clear()
@@ -200,8 +208,20 @@ class PagePool:
         self.chain_pos[page] = -1
         self.parent_key[page] = None
         self.stored_by[page] = None
+        self.hits[page] = 0
+
+    def touch(self, page: int) -> None:
+        """Mark a page changed: its state, refs or key moved (here), or its KV grew (the engine says so)."""
+        self.touched.pop(page, None)
+        self.touched[page] = None
 
     # ----- introspection --------------------------------------------------------------------------------
+    def take_touched(self) -> list[int]:
+        """The pages changed since the last call, oldest change first; a page's LRU moves keep this order."""
+        pages = list(self.touched)
+        self.touched.clear()
+        return pages
+
     def lru_rank(self) -> dict[int, int]:
         """Rank of each cached page in the LRU: 0 is the next to be evicted."""
         return {page: rank for rank, page in enumerate(self.lru)}

@@ -144,7 +144,7 @@ def test_snapshot_and_stats_agree(engine):
         ["Once upon a time there was a little cat.", "Once upon a time"], max_tokens=30, stream=True
     )
     next(stream)
-    snapshot = engine.cache_snapshot()
+    snapshot = engine.cache_snapshot().pages
     stats = engine.cache_stats()
     by_state = {s: sum(r.state == s for r in snapshot) for s in ("free", "in_use", "cached")}
     assert by_state == {"free": stats.free_pages, "in_use": stats.used_pages, "cached": stats.cached_pages}

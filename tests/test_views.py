@@ -23,6 +23,7 @@ def record(page: int, state: str, requests=(), stored_by=None, tokens=(5, 6)) ->
         key=b"k" if stored_by is not None else None,
         parent_key=None,
         stored_by=stored_by,
+        hits=0,
         token_ids=tuple(tokens),
     )
 
@@ -99,6 +100,8 @@ def sample(step: int, t: float, hits: int = 0, queries: int = 0, evictions: int 
         evictions=evictions,
         preemptions=0,
         requests=(1,),
+        sampled=(),
+        page_changes=(),
     )
 
 

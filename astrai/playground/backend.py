@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Protocol
 
-from astrai.observation import CacheStats, EngineEvent, PageRecord, RequestInfo, StepSample
+from astrai.observation import CacheSnapshot, CacheStats, EngineEvent, RequestInfo, StepSample
 from astrai.sampling import SamplingParams
 
 
@@ -62,7 +62,7 @@ class Backend(Protocol):
 
     def stats(self) -> CacheStats: ...
 
-    def snapshot(self) -> list[PageRecord]: ...
+    def snapshot(self) -> CacheSnapshot: ...
 
     def events(self, after: int) -> list[EngineEvent]: ...
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from astrai import SUPPORTED_DTYPES, EngineClosedError, InferenceEngine, RequestFailedError, SamplingParams
-from astrai.observation import CacheStats, EngineEvent, PageRecord, RequestInfo, StepSample
+from astrai.observation import CacheSnapshot, CacheStats, EngineEvent, RequestInfo, StepSample
 from astrai.playground.backend import BackendUnavailable, RunFailed
 from astrai.streams import GenerationStream
 
@@ -157,7 +157,7 @@ class LocalBackend:
     def stats(self) -> CacheStats:
         return self._current().cache_stats()
 
-    def snapshot(self) -> list[PageRecord]:
+    def snapshot(self) -> CacheSnapshot:
         return self._current().cache_snapshot()
 
     def events(self, after: int) -> list[EngineEvent]:

@@ -181,7 +181,7 @@ class Playground:
         if quiet and state.get("settled"):  # nothing moved since the last drawing: spare the browser a redraw
             return {ui.view_state: new_state}
         series = views.series(backend.history(0), stats, time.time())
-        records = backend.snapshot()
+        records = backend.snapshot().pages
         requests = {r for record in records for r in (*record.requests, record.stored_by) if r is not None}
         pages = views.page_views(
             records, self.service.owners(sorted(requests)), session_of(request), evicted, backend.decode
