@@ -168,17 +168,25 @@ class InferenceEngine:
         top_k: int = 0,
         seed: int | None = None,
         stream: bool = False,
-        cache_salt: str | None = None,
+        cache_salt: str | list[str] | None = None,
     ) -> str | list[str] | GenerationStream:
         """Generate continuations. A single prompt gives a str (or a stream of str deltas); a list gives a list
-        (or a stream of ``(index, delta)``). Requests are registered now, not when the stream is first read."""
+        (or a stream of ``(index, delta)``). Requests are registered now, not when the stream is first read.
+
+        ``cache_salt`` puts the requests in their own prefix-cache namespace; a list gives each prompt its own
+        (distinct salts make a batch that shares nothing, not even within itself)."""
         texts = self._validate_prompts(prompts)
         token_ids = [list(self.tokenizer(text)["input_ids"]) for text in texts]
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         return self._submit(token_ids, params, cache_salt, stream, single=isinstance(prompts, str))
 
     def generate_ids(
-        self, token_ids: list[list[int]], *, stream: bool = False, cache_salt: str | None = None, **sampling: Any
+        self,
+        token_ids: list[list[int]],
+        *,
+        stream: bool = False,
+        cache_salt: str | list[str] | None = None,
+        **sampling: Any,
     ) -> list[str] | GenerationStream:
         """Like ``generate`` for already tokenized prompts (used as given: no BOS is added)."""
         if not isinstance(token_ids, list) or not token_ids:
@@ -190,11 +198,19 @@ class InferenceEngine:
         return self._submit([list(ids) for ids in token_ids], SamplingParams(**sampling), cache_salt, stream)
 
     def _submit(
-        self, token_ids: list[list[int]], params: SamplingParams, salt: str | None, stream: bool, single: bool = False
+        self,
+        token_ids: list[list[int]],
+        params: SamplingParams,
+        salt: str | list[str] | None,
+        stream: bool,
+        single: bool = False,
     ) -> str | list[str] | GenerationStream:
-        if salt is not None and not isinstance(salt, str):
-            raise TypeError(f"cache_salt must be a str or None, got {type(salt).__name__}")
-        requests = [self._make_request(i, ids, params, salt) for i, ids in enumerate(token_ids)]
+        salts = salt if isinstance(salt, list) else [salt] * len(token_ids)
+        if len(salts) != len(token_ids) or not all(s is None or isinstance(s, str) for s in salts):
+            raise TypeError(f"cache_salt must be a str, None, or a list of one str per prompt, got {salt!r}")
+        requests = [
+            self._make_request(i, ids, params, s) for i, (ids, s) in enumerate(zip(token_ids, salts, strict=True))
+        ]
         items: queue.SimpleQueue = queue.SimpleQueue()
         with self._lock:
             self._check_alive()

@@ -92,10 +92,12 @@ class PageStored(EngineEvent):
 
 @dataclass(frozen=True)
 class PageEvicted(EngineEvent):
-    """A cached page was taken from the LRU for a new allocation; its KV is gone."""
+    """A cached page was taken from the LRU for a new allocation; its KV is gone (what it held is kept here)."""
 
     page: int
     key: bytes
+    parent_key: bytes | None
+    token_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)

@@ -6,14 +6,17 @@ Every page is in exactly one state:
 * ``in_use`` - ref count >= 1.
 * ``cached`` - ref count 0, but its complete KV is indexed by its chained hash and it sits in the LRU.
 
-All operations are O(1): the free list is a deque, the LRU is an ``OrderedDict`` (move/pop by key), and the
-index is a dict. Eviction only happens when the free list is empty.
+The LRU is an ``OrderedDict`` (move/pop by key, O(1)) and the index a dict. The free list is a min-heap
+(O(log n)): a fresh page is always the lowest-numbered free one, so the pages in use stay packed at the low end
+of the pool and a page map of a large, lightly used pool stays legible. Eviction only happens when the free list
+is empty.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict, deque
+import heapq
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -72,7 +75,7 @@ class PagePool:
         self.touched: dict[int, None] = {}  # pages changed since ``take_touched``, in the order of their last change
         self.index: dict[PageKey, int] = {}
         self.lru: OrderedDict[int, None] = OrderedDict()  # first = least recently used
-        self.free: deque[int] = deque(range(n_pages))
+        self.free: list[int] = list(range(n_pages))  # a heap (a sorted list is one)
         self.stats = PoolStats()
         self._emit: Emit = emit or _ignore
 
@@ -123,13 +126,13 @@ class PagePool:
     def allocate(self) -> int:
         """A fresh page with ref count 1: from the free list, else by evicting the LRU cached page."""
         if self.free:
-            page = self.free.popleft()
+            page = heapq.heappop(self.free)
         elif self.lru:
             page, _ = self.lru.popitem(last=False)
-            key = self.key[page]
+            evicted = dict(key=self.key[page], parent_key=self.parent_key[page], token_ids=self.tokens[page] or ())
             self._forget(page)
             self.stats.evictions += 1
-            self._emit(PageEvicted, page=page, key=key)
+            self._emit(PageEvicted, page=page, **evicted)
         else:
             raise MemoryError("no free or evictable page left")
         self.ref_count[page] = 1
@@ -148,7 +151,7 @@ class PagePool:
                     self.lru[page] = None
                 else:
                     self._reset(page)
-                    self.free.append(page)
+                    heapq.heappush(self.free, page)
 
     # ----- the prefix index -----------------------------------------------------------------------------
     def register(
@@ -191,7 +194,8 @@ class PagePool:
         for page in self.index.values():
             self._reset(page)
             self.touch(page)
-        self.free.extend(self.lru)
+        for page in self.lru:
+            heapq.heappush(self.free, page)
         self.lru.clear()
         self.index.clear()
         return freed

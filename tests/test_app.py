@@ -103,11 +103,12 @@ def test_browser_shared_prefix_scenario(page):
         "[0,1,2,3].every(i => document.querySelector(`#out_${i} textarea`).value.length > 10)", timeout=60000
     )
     page.wait_for_selector("#plot_0 .js-plotly-plot", timeout=30000)
-    page.wait_for_selector("#plot_3 .js-plotly-plot .heatmaplayer", state="attached", timeout=30000)
+    page.wait_for_selector("#page_map .js-plotly-plot .heatmaplayer", state="attached", timeout=30000)
     page.wait_for_function("/[1-9]\\d* cached/.test(document.querySelector('#badge_1').innerText)", timeout=30000)
     badge = page.locator("#badge_1").inner_text()
     assert int(re.search(r"(\d+) cached", badge).group(1)) > 0
-    assert page.locator("#tokens_1").inner_text().count("cached") >= 1
+    page.locator("#tokens_accordion").get_by_text("Prompt tokens").click()
+    page.wait_for_function("document.querySelector('#tokens_1').innerText.includes('cached')", timeout=10000)
     page.click("#stop_btn")
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "playground.png"), full_page=True)
@@ -130,9 +131,12 @@ def test_browser_shows_html_in_prompts_as_text_and_caps_length(page):
     page.click("#run_btn")
     page.wait_for_function("document.querySelector('#out_0 textarea').value.length > 5", timeout=60000)
     page.wait_for_function("document.querySelector('#requests').innerText.includes('<img')", timeout=30000)
+    page.locator("#tokens_accordion").get_by_text("Prompt tokens").click()
+    page.wait_for_function("document.querySelector('#prefix_tree').innerText.includes('<img')", timeout=30000)
     page.wait_for_timeout(1500)  # give any injected handler a chance to run
     assert page.evaluate("window.__pwned") is None
-    assert page.locator("#requests img").count() == 0 and page.locator("#tokens_0 img").count() == 0
+    for view in ("#requests", "#tokens_0", "#prefix_tree", "#page_map"):
+        assert page.locator(f"{view} img").count() == 0, view
     assert "<script>" in page.locator("#tokens_0").inner_text().replace(" ", "").replace("\n", "")
 
 
@@ -166,3 +170,122 @@ def test_a_model_that_cannot_load_leaves_the_current_one_serving(client):
     assert "Could not load" in status and "Still serving **tinystories-llama" in status
     outputs = client.predict(**run_args(PANELS[:1], 4), api_name="/run")
     assert outputs[0], "the embedded model still answers"
+
+
+def states_in(figure_json: str) -> dict[int, str]:
+    """page -> state, read from a page map's hover texts ("<b>page 3</b>: in use ...")."""
+    heatmap = json.loads(figure_json["plot"] if isinstance(figure_json, dict) else figure_json)["data"][0]
+    found = {}
+    for row in heatmap["text"]:
+        for cell in row:
+            match = re.match(r"<b>page (\d+)</b>: (just evicted|in use|cached|free)", cell or "")
+            if match:
+                found[int(match.group(1))] = match.group(2).replace(" ", "_")
+    return found
+
+
+def test_replay_shows_the_recorded_pool_at_each_step(server_url):
+    from gradio_client import Client
+
+    client = Client(server_url, verbose=False)
+    final = client.predict(**run_args(PANELS, 20), api_name="/run")
+    recorded = [client.predict(k, api_name="/page_map_at") for k in (0, 1, 5)]
+    assert recorded[0] and recorded[1] != recorded[0], "the first step of the run changed the pool"
+    for k, pool in zip((0, 1, 5), recorded, strict=True):
+        outputs = client.predict(k, api_name="/show_step")
+        shown = states_in(outputs[2])
+        expected = {p["page"]: p["state"] for p in pool}
+        assert shown == {page: expected[page] for page in shown}, k
+        texts = list(outputs[7 : 7 + len(PANELS)])
+        assert all(final[i].startswith(texts[i]) for i in range(len(PANELS))), "each panel's text up to that step"
+        assert (k == 0) == (texts == [""] * len(PANELS))
+
+
+@pytest.fixture
+def laptop(server_url):
+    if not shutil.which(CHROMIUM):
+        pytest.skip("Debian chromium is not installed (.ci/run installs it)")
+    with open_playground(server_url, viewport=(1366, 768)) as pg:
+        yield pg
+
+
+def figure(page, elem_id: str) -> dict:
+    return page.evaluate(
+        f"(() => {{ const p = document.querySelector('#{elem_id} .js-plotly-plot');"
+        " return p && {data: p.data, title: p.layout.title.text}; })()"
+    )
+
+
+def in_view(page, selector: str) -> bool:
+    box = page.locator(selector).bounding_box()
+    return box is not None and box["y"] >= 0 and box["y"] + box["height"] <= 768 and box["x"] + box["width"] <= 1366
+
+
+@pytest.mark.browser
+def test_browser_laptop_screen_shows_panels_and_cache_together_then_replay_tree_and_savings(laptop):
+    page = laptop
+    pick = page.locator("#scenario input")
+    pick.click()
+    page.get_by_role("option", name="Shared system prompt").click()
+    page.wait_for_function("document.querySelector('#prompt_3 textarea').value.length > 0", timeout=30000)
+    page.click("#clear_btn")
+    page.click("#run_btn")
+    page.wait_for_function(
+        "[0,1,2,3].every(i => document.querySelector(`#out_${i} textarea`).value.length > 10)", timeout=60000
+    )
+    page.wait_for_selector("#page_map .js-plotly-plot", timeout=10000)
+    for view in ("#run_btn", "#out_0", "#out_3", "#page_map .js-plotly-plot", "#plot_0 .js-plotly-plot"):
+        box = page.locator(view).bounding_box()
+        assert in_view(page, view), f"{view} is not on the 1366x768 screen without scrolling: {box}"
+    page.wait_for_function(
+        "(document.querySelector('#requests').innerText.match(/finished/g) || []).length >= 4", timeout=60000
+    )
+    # the tree: one node per cached page (a small tree is not collapsed), as many as the stats line counts
+    page.wait_for_function(
+        "(() => { const p = document.querySelector('#prefix_tree .js-plotly-plot');"
+        " return p && /[(]0 in use/.test(p.layout.title.text); })()",
+        timeout=30000,
+    )
+    tree = figure(page, "prefix_tree")
+    cached = int(re.search(r"(\d+)\*?\*? cached", page.locator("#stats").inner_text()).group(1))
+    pages_in_title = int(re.search(r"Prefix tree: (\d+) pages", tree["title"]).group(1))
+    assert pages_in_title == cached == len(tree["data"][0]["ids"]) - 1 > 0  # minus the root
+    # replay: step back from the end, and the page map and texts go back with it
+    final = page.locator("#out_0 textarea").input_value()
+    page.click("#replay_back")
+    page.wait_for_function("document.querySelector('#replay_note').innerText.includes('Replay')", timeout=10000)
+    for _ in range(5):
+        page.click("#replay_back")
+    page.wait_for_timeout(1500)
+    title = figure(page, "page_map")["title"]
+    assert "after step" in title
+    earlier = page.locator("#out_0 textarea").input_value()
+    assert final.startswith(earlier) and len(earlier) < len(final)
+    # what caching saved: both bars, fewer prefill tokens with caching on
+    page.click("#compare_btn")
+    page.wait_for_function(
+        "(() => { const p = document.querySelector('#savings .js-plotly-plot');"
+        " return p && p.data.filter(t => t.name === 'caching off').length === 3; })()",
+        timeout=60000,
+    )
+    bars = {t["name"]: t["y"][0] for t in figure(page, "savings")["data"] if t["xaxis"] in (None, "x")}
+    assert bars["caching on"] < bars["caching off"], bars
+    assert "prompt tokens were computed" in page.locator("#savings_note").inner_text()
+
+
+@pytest.mark.browser
+def test_browser_lesson_steps_load_their_scenario_and_point_at_a_view(laptop):
+    from astrai.playground.scenarios import LESSON, SCENARIO_BY_NAME
+
+    page = laptop
+    for number, step in enumerate(LESSON, start=1):
+        page.click("#lesson_next")
+        page.wait_for_function(
+            f"document.querySelector('#scenario_note').innerText.includes('Lesson {number}/{len(LESSON)}')",
+            timeout=60000,
+        )
+        first_prompt = SCENARIO_BY_NAME[step.scenario].prompts[0]
+        page.wait_for_function(
+            f"document.querySelector('#prompt_0 textarea').value === {json.dumps(first_prompt)}", timeout=30000
+        )
+        page.wait_for_function(f"document.getElementById('{step.look_at}').style.outline.includes('solid')")

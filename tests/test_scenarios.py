@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from astrai import InferenceEngine
 from astrai.playground.local_backend import EMBEDDED_MODEL
-from astrai.playground.scenarios import SCENARIO_BY_NAME
+from astrai.playground.scenarios import FOLLOW_UP, SCENARIO_BY_NAME
 
 
 @pytest.fixture(scope="module")
@@ -48,3 +50,35 @@ def test_eviction_pressure_evicts_and_preempts():
             engine.generate(scenario.prompts, max_tokens=scenario.max_tokens)
         stats = engine.cache_stats()
     assert stats.evictions > 0 and stats.preemptions > 0 and stats.used_pages == 0
+
+
+def test_distinct_prompts_hit_nothing(engine):
+    engine.clear()
+    assert cached(engine, SCENARIO_BY_NAME["Distinct prompts (no hits)"].prompts, max_tokens=2) == [0, 0, 0, 0]
+
+
+def test_a_follow_up_turn_hits_past_the_first_prompt(engine):
+    scenario = SCENARIO_BY_NAME["Follow-up turn"]
+    engine.clear()
+    answers = engine.generate(scenario.prompts, max_tokens=scenario.max_tokens)
+    second = [p + a + FOLLOW_UP for p, a in zip(scenario.prompts, answers, strict=True)]
+    first_lengths = [len(engine.tokenizer(p).input_ids) for p in scenario.prompts]
+    hits = cached(engine, second, max_tokens=2)
+    assert all(hit > first for hit, first in zip(hits, first_lengths, strict=True)), (hits, first_lengths)
+
+
+def test_caching_off_computes_every_prompt_token_and_on_computes_fewer(engine):
+    scenario = SCENARIO_BY_NAME["Shared system prompt"]
+    prompts = [scenario.prefix + p for p in scenario.prompts]
+    engine.clear()
+    on = cached(engine, prompts, max_tokens=2)
+    off = cached(engine, prompts, max_tokens=2, cache_salt=[f"no-sharing-{i}" for i in range(len(prompts))])
+    assert off == [0, 0, 0, 0] and sum(on) > 0
+
+
+def test_every_lesson_step_loads_a_scenario_and_names_a_view():
+    from astrai.playground.scenarios import LESSON
+
+    assert len(LESSON) == 6 and all(step.scenario in SCENARIO_BY_NAME for step in LESSON)
+    ui = (Path(__file__).parents[1] / "astrai" / "playground" / "ui.py").read_text()
+    assert all(f'elem_id="{step.look_at}"' in ui for step in LESSON)

@@ -6,7 +6,7 @@ import dataclasses
 
 from astrai.observation import CacheStats, PageRecord, RequestInfo, StepSample
 from astrai.playground import views
-from astrai.playground.service import Owner
+from astrai.playground.views import Owner
 
 ME, THEM = "session-me", "session-them"
 OWNERS = {1: Owner(ME, 0), 2: Owner(ME, 1), 7: Owner(THEM, 0)}
@@ -113,6 +113,7 @@ def test_series_recover_the_cumulative_hit_rate_at_every_step():
     ]
     now_stats = stats(hit_tokens=30, query_tokens=80, hit_rate=30 / 80, free_pages=16)
     data = views.series(history, now_stats, now=102.0)
+    assert data.x_title == "seconds ago" and data.marker is None
     assert data.ages == [-2.0, -1.5, -1.0, 0.0]
     assert data.hit_rate == [0.0, 0.0, 30 / 80, 30 / 80]
     assert data.step_hit_rate == [0.0, 0.75] and data.step_hit_ages == [-2.0, -1.0]

@@ -21,13 +21,13 @@ CHROMIUM_ARGS = [
 
 
 @contextlib.contextmanager
-def open_playground(url: str, timeout_ms: int = 60000) -> Iterator:
+def open_playground(url: str, timeout_ms: int = 60000, viewport: tuple[int, int] = (1400, 1000)) -> Iterator:
     """A page showing the playground at ``url``, ready to click (the Run button is visible)."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        context = browser.new_context(viewport={"width": 1400, "height": 1000})
+        context = browser.new_context(viewport={"width": viewport[0], "height": viewport[1]})
         context.route(re.compile(r"^https?://(?!127\.0\.0\.1)"), lambda route: route.abort())  # never stall
         page = context.new_page()
         page.goto(url)

@@ -50,8 +50,12 @@ class Backend(Protocol):
         """The text that reaches the model: instruct models get their chat template, base models ``prefix + prompt``."""
         ...
 
-    def submit(self, prompts: list[str], params: SamplingParams, salt: str | None) -> Run:
-        """Start every prompt at once (one batch); bad input raises ``ValueError``/``TypeError`` before any runs."""
+    def submit(self, prompts: list[str], params: SamplingParams, salt: str | None, share_cache: bool = True) -> Run:
+        """Start every prompt at once (one batch); bad input raises ``ValueError``/``TypeError`` before any runs.
+
+        ``salt`` gives the run its own prefix-cache namespace; ``share_cache=False`` gives each prompt a fresh one,
+        so nothing is reused, not even within the batch (prefix caching off, for comparisons).
+        """
         ...
 
     def cancel(self, request_ids: list[int]) -> None: ...

@@ -7,8 +7,10 @@ import math
 from collections.abc import Callable, Sequence
 
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
-from astrai.playground.views import PageView, Series
+from astrai.playground.tree import ROOT, Tree
+from astrai.playground.views import PageView, RunSummary, Series
 
 PANEL_COLORS = ["#2563eb", "#16a34a", "#d97706", "#9333ea", "#db2777", "#0891b2"]
 FREE_COLOR = "#e5e7eb"
@@ -17,23 +19,27 @@ EVICTED_COLOR = "#ef4444"
 STATE_COLORS = {"in use": "#f59e0b", "cached (evictable)": "#60a5fa", "free": "#d1d5db"}
 
 
-def _layout(fig: go.Figure, title: str, y_title: str, height: int = 240) -> go.Figure:
+def _layout(fig: go.Figure, title: str, y_title: str, data: Series, height: int = 230) -> go.Figure:
     fig.update_layout(
         title=dict(text=title, font=dict(size=13)),
         height=height,
         margin=dict(l=40, r=10, t=32, b=30),
-        legend=dict(orientation="h", y=-0.25, font=dict(size=10)),
+        legend=dict(orientation="h", y=-0.3, font=dict(size=10)),
         yaxis_title=y_title,
-        xaxis_title="seconds ago",
+        xaxis_title=data.x_title,
         template="plotly_white",
-        uirevision="keep",
+        uirevision=data.x_title,
     )
+    if data.marker is not None:
+        fig.add_vline(x=data.marker, line=dict(color="#111827", width=1.5, dash="dash"))
     return fig
 
 
 def occupancy_chart(data: Series) -> go.Figure:
+    """Pages in use and cached, stacked; the y axis zooms to the busy range (the free rest is said in the title),
+    so a few dozen pages stay visible in a pool of thousands."""
     fig = go.Figure()
-    for name, values in (("in use", data.used), ("cached (evictable)", data.cached), ("free", data.free)):
+    for name, values in (("in use", data.used), ("cached (evictable)", data.cached)):
         fig.add_trace(
             go.Scatter(
                 x=data.ages,
@@ -44,7 +50,11 @@ def occupancy_chart(data: Series) -> go.Figure:
                 line=dict(width=0.5, color=STATE_COLORS[name], shape="hv"),
             )
         )
-    return _layout(fig, "Page-pool occupancy (one point per engine step)", "pages")
+    pool = data.used[-1] + data.cached[-1] + data.free[-1] if data.used else 0
+    busiest = max((u + c for u, c in zip(data.used, data.cached, strict=True)), default=0)
+    fig.update_yaxes(range=[0, max(8, busiest * 1.15)])
+    title = f"Pages in use and cached (pool of {pool}, one point per engine step)"
+    return _layout(fig, title, "pages", data)
 
 
 def lru_chart(data: Series) -> go.Figure:
@@ -66,7 +76,7 @@ def lru_chart(data: Series) -> go.Figure:
             ),
         ]
     )
-    return _layout(fig, "LRU length (cached pages)", "pages")
+    return _layout(fig, "LRU length (cached pages)", "pages", data)
 
 
 def hit_rate_chart(data: Series) -> go.Figure:
@@ -89,9 +99,11 @@ def hit_rate_chart(data: Series) -> go.Figure:
         ]
     )
     fig.update_yaxes(range=[0, 105])
-    return _layout(fig, "Prefix hit rate (token-weighted, first admissions)", "% of prompt tokens")
+    return _layout(fig, "Prefix hit rate (token-weighted, first admissions)", "% of prompt tokens", data)
 
 
+MIN_ROWS = 4
+PAGE_MAP_HEIGHT = 250
 CACHED_SHADES = ["#dbeafe", "#bfdbfe", "#93c5fd", "#60a5fa", "#3b82f6", "#2563eb", "#1d4ed8", "#1e3a8a"]
 PALETTE = [FREE_COLOR, OTHER_COLOR, EVICTED_COLOR, *PANEL_COLORS, *CACHED_SHADES]
 FIRST_PANEL, FIRST_SHADE = 3, 3 + len(PANEL_COLORS)
@@ -123,18 +135,24 @@ def _describe(p: PageView, panel_label: Callable[[int], str], cached_total: int)
         lines.append("used by " + ", ".join(owners))
     if p.chain_pos >= 0:
         lines.append(f"chain position {p.chain_pos}")
+    if p.hits:
+        lines.append(f"prefix hits served: {p.hits}")
     if p.text is not None:
-        lines.append("tokens: " + html.escape(p.text.replace("\n", "⏎"))[:80])
+        lines.append("tokens: " + html.escape(p.text.replace("\n", "⏎")[:80], quote=False))
     elif p.state != "free":
         lines.append("tokens: (hidden: not yours)")
     return color, "<br>".join(lines)
 
 
-def page_map(pages: Sequence[PageView], panel_label: Callable[[int], str]) -> go.Figure:
-    """Every page as a cell; shared in-use pages carry an x."""
+def page_map(pages: Sequence[PageView], panel_label: Callable[[int], str], title: str = "Page map") -> go.Figure:
+    """Every page as a cell; shared in-use pages carry an x. Rows past the last non-free page are left out (the
+    pool hands out its lowest free page first, so the used range is packed at the top)."""
     n = len(pages)
     cols = max(8, math.ceil(math.sqrt(n * 3)))
-    rows = math.ceil(n / cols)
+    busy = [p.page for p in pages if p.state != "free" or p.just_evicted]
+    rows = min(math.ceil(n / cols), max(MIN_ROWS, (max(busy, default=0) // cols) + 2))
+    pages = [p for p in pages if p.page < rows * cols]
+    shown = f"pages 0–{min(rows * cols, n) - 1} of {n}; the rest are free" if rows * cols < n else f"{n} pages"
     z = [[None] * cols for _ in range(rows)]
     hover = [[""] * cols for _ in range(rows)]
     cached_total = sum(p.state == "cached" for p in pages)
@@ -170,11 +188,77 @@ def page_map(pages: Sequence[PageView], panel_label: Callable[[int], str]) -> go
     fig.update_xaxes(visible=False)
     fig.update_yaxes(visible=False, autorange="reversed", scaleanchor="x")
     fig.update_layout(
-        height=280,
+        height=min(PAGE_MAP_HEIGHT, 60 + rows * max(12, 420 // cols)),
         margin=dict(l=5, r=5, t=32, b=5),
         template="plotly_white",
         showlegend=False,
-        title=dict(text=f"Page map ({n} pages; x = shared)", font=dict(size=13)),
+        title=dict(text=f"{title} ({shown}; x = shared)", font=dict(size=13)),
         uirevision="keep",
+    )
+    return fig
+
+
+def prefix_tree(tree: Tree, panel_label: Callable[[int], str], height: int = 300) -> go.Figure:
+    """The cached pages as an icicle, root on the left: it branches where prompts diverge."""
+    ranked = max((n.lru_rank or 0 for n in tree.nodes), default=0)
+    ids, parents, labels, colors, hovers = [ROOT], [""], ["prefix cache"], ["#f3f4f6"], ["the roots of every chain"]
+    for node in tree.nodes:
+        if node.kind == "evicted":
+            color, state = EVICTED_COLOR, "just evicted"
+        elif node.kind == "in_use":
+            in_use_color = PANEL_COLORS[node.panel % len(PANEL_COLORS)] if node.panel is not None else OTHER_COLOR
+            color, state = in_use_color, "in use" + (f" by {panel_label(node.panel)}" if node.panel is not None else "")
+        else:
+            shade = (len(CACHED_SHADES) - 1) * (node.lru_rank or 0) // max(ranked, 1)
+            color, state = CACHED_SHADES[shade], f"cached, LRU rank {node.lru_rank} (0 = evicted next)"
+        ids.append(node.id)
+        parents.append(node.parent)
+        labels.append(html.escape(node.label, quote=False))
+        colors.append(color)
+        pages = ", ".join(map(str, node.pages[:8])) + (" …" if len(node.pages) > 8 else "")
+        hovers.append(f"{state}<br>page{'s' if len(node.pages) > 1 else ''} {pages}<br>hits served: {node.hits}")
+    fig = go.Figure(
+        go.Icicle(
+            ids=ids,
+            parents=parents,
+            labels=labels,
+            marker=dict(colors=colors),
+            hovertext=hovers,
+            hoverinfo="label+text",
+            tiling=dict(orientation="h"),
+            root=dict(color="#f3f4f6"),
+            maxdepth=-1,
+        )
+    )
+    title = f"Prefix tree: {tree.pages} pages ({tree.in_use} in use, {tree.cached} cached)"
+    if tree.evicted:
+        title += f", {tree.evicted} just evicted"
+    fig.update_layout(
+        height=height,
+        margin=dict(l=5, r=5, t=32, b=5),
+        title=dict(text=title, font=dict(size=13)),
+        uirevision="tree",
+    )
+    return fig
+
+
+def savings(on: RunSummary | None, off: RunSummary | None) -> go.Figure:
+    """Caching on against off, side by side: prefill tokens computed, median TTFT and total time."""
+    fig = make_subplots(rows=1, cols=3, subplot_titles=("prefill tokens computed", "TTFT s (median)", "total s"))
+    for name, run, color in (("caching on", on, "#16a34a"), ("caching off", off, "#9ca3af")):
+        if run is None:
+            continue
+        for col, value in enumerate((run.computed_tokens, run.ttft_s, run.total_s), start=1):
+            fig.add_trace(
+                go.Bar(x=[name], y=[value], name=name, marker_color=color, showlegend=col == 1, legendgroup=name),
+                row=1,
+                col=col,
+            )
+    fig.update_layout(
+        height=230,
+        margin=dict(l=30, r=10, t=40, b=20),
+        template="plotly_white",
+        legend=dict(orientation="h", y=-0.15, font=dict(size=10)),
+        title=dict(text="What caching saved (your last run)", font=dict(size=13)),
     )
     return fig

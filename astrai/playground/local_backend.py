@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,7 +132,12 @@ class LocalBackend:
             return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return prefix + prompt
 
-    def submit(self, prompts: list[str], params: SamplingParams, salt: str | None) -> LocalRun:
+    def submit(
+        self, prompts: list[str], params: SamplingParams, salt: str | None, share_cache: bool = True
+    ) -> LocalRun:
+        salts: str | list[str] | None = salt
+        if not share_cache:
+            salts = [f"{salt or ''}/no-sharing/{uuid.uuid4().hex}" for _ in prompts]
         try:
             stream = self._current().generate(
                 prompts,
@@ -141,7 +147,7 @@ class LocalBackend:
                 top_k=params.top_k,
                 seed=params.seed,
                 stream=True,
-                cache_salt=salt,
+                cache_salt=salts,
             )
         except EngineClosedError as exc:
             raise BackendUnavailable(str(exc)) from exc

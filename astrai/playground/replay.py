@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from astrai.observation import CacheSnapshot, PageRecord, StepSample
+from astrai.playground.views import Series
 
 
 @dataclass(frozen=True)
@@ -106,3 +107,34 @@ def narrate(recording: Recording, index: int) -> str:
 
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def replay_series(recording: Recording, index: int) -> Series:
+    """The run's charts, x in seconds since its first step, with the marker on the ``index``-th sample.
+
+    The hit rate here is the run's own: hits over prompt tokens admitted since the run started.
+    """
+    samples = recording.samples
+    start = samples[0].time - samples[0].duration_s if samples else 0.0
+    hits = queries = evictions = 0
+    hit_rate: list[float | None] = []
+    evicted: list[int] = []
+    for s in samples:
+        hits, queries, evictions = hits + s.hit_tokens, queries + s.query_tokens, evictions + s.evictions
+        hit_rate.append(hits / queries if queries else None)
+        evicted.append(evictions)
+    admitted = [s for s in samples if s.query_tokens]
+    x = [round(s.time - start, 3) for s in samples]
+    base = recording.base.pages
+    return Series(
+        x_title="seconds into the run",
+        ages=[0.0, *x],
+        used=[sum(p.state == "in_use" for p in base), *(s.used_pages for s in samples)],
+        cached=[sum(p.state == "cached" for p in base), *(s.cached_pages for s in samples)],
+        free=[sum(p.state == "free" for p in base), *(s.free_pages for s in samples)],
+        evictions=[0, *evicted],
+        hit_rate=[None, *hit_rate],
+        step_hit_ages=[round(s.time - start, 3) for s in admitted],
+        step_hit_rate=[s.hit_tokens / s.query_tokens for s in admitted],
+        marker=x[index - 1] if index > 0 and x else 0.0,
+    )

@@ -84,3 +84,59 @@ SCENARIOS = [
 ]
 SCENARIO_BY_NAME = {s.name: s for s in SCENARIOS}
 FOLLOW_UP = " Then"
+
+
+@dataclass(frozen=True)
+class LessonStep:
+    """One step of the guided lesson: a scenario, the view to look at, and a claim the tests check."""
+
+    title: str
+    scenario: str
+    look_at: str  # elem_id of the view to highlight
+    text: str
+
+
+LESSON = [
+    LessonStep(
+        "1. A shared system prompt is computed once",
+        "Shared system prompt",
+        "page_map",
+        "Press Run. Panel 1 computes the prefix pages; panels 2–4 are admitted in the same step and share them "
+        "(x-marked cells in the page map), so their badges show 32 or more cached tokens in the very first run.",
+    ),
+    LessonStep(
+        "2. Nothing shared, nothing hit",
+        "Distinct prompts (no hits)",
+        "plot_2",
+        "Press Run. No two prompts start alike, so no panel gets a cached token: the dots of this run in the hit "
+        "rate chart sit at 0%.",
+    ),
+    LessonStep(
+        "3. Eviction: the LRU gives pages back",
+        "Eviction pressure (small pool)",
+        "plot_1",
+        "Press Run twice. The 40-page pool cannot keep every story: the LRU fills with cached pages, then drains as "
+        "evictions (red) make room, and a request may be preempted and recomputed.",
+    ),
+    LessonStep(
+        "4. The chained hash: same tokens, different key",
+        "Same page, different prefix",
+        "prefix_tree",
+        "Press Run. Both prompts hold a page with the very same tokens, yet the second gets 0 cached tokens: each "
+        "page's key hashes every page before it, so the tree shows two separate branches from the root.",
+    ),
+    LessonStep(
+        "5. A follow-up turn hits the answer too",
+        "Follow-up turn",
+        "tokens_accordion",
+        "Press Run, then Follow-up turn, then Run again. The second turn's cached tokens go past the first prompt: "
+        "pages filled by the generated answer were registered and hit too (open 'Prompt tokens' to see them green).",
+    ),
+    LessonStep(
+        "6. Caching off versus on",
+        "Shared system prompt",
+        "savings",
+        "Press Compare with caching off. The same batch runs twice, with and without the prefix cache: caching on "
+        "computes fewer prefill tokens (the bars on the left).",
+    ),
+]

@@ -8,17 +8,26 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from astrai.playground.backend import Backend
+from astrai.playground.replay import Recording
+from astrai.playground.views import Owner, RunSummary
 
 KEEP_OWNERS = 4096  # requests remembered; the oldest are forgotten first (their pages show as another session's)
+KEEP_VISITORS = 128  # visitors whose last run (replay, savings) is kept; the least recently active go first
 
 
-@dataclass(frozen=True)
-class Owner:
-    session: str
-    panel: int
+@dataclass
+class Visitor:
+    """One session's view state. Written by that session's callbacks only; each field is replaced whole."""
+
+    recording: Recording | None = None
+    prompts: list[str] = field(default_factory=list)
+    following: bool = True  # live: the replay slider and the charts follow the latest step
+    play: tuple[float, float, int] | None = None  # (speed, wall clock at start, index at start) while playing
+    with_cache: RunSummary | None = None
+    without_cache: RunSummary | None = None
 
 
 class PlaygroundService:
@@ -28,7 +37,16 @@ class PlaygroundService:
         self.backend = backend
         self._owners: OrderedDict[int, Owner] = OrderedDict()
         self._owners_generation = backend.generation
-        self._lock = threading.Lock()  # guards _owners and _owners_generation
+        self._visitors: OrderedDict[str, Visitor] = OrderedDict()
+        self._lock = threading.Lock()  # guards _owners, _owners_generation and _visitors
+
+    def visitor(self, session: str) -> Visitor:
+        with self._lock:
+            visitor = self._visitors.pop(session, None) or Visitor()
+            self._visitors[session] = visitor
+            while len(self._visitors) > KEEP_VISITORS:
+                self._visitors.popitem(last=False)
+            return visitor
 
     def register(self, request_ids: list[int], session: str) -> None:
         with self._lock:

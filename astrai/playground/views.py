@@ -10,7 +10,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from astrai.observation import CacheStats, PageRecord, RequestInfo, StepSample
-from astrai.playground.service import Owner
 
 MAX_HIGHLIGHT_TOKENS = 300
 SPECIAL_TOKEN_TEXT = "⟨s⟩"
@@ -30,6 +29,14 @@ HIT_RATE_CAPTION = (
     "(a request preempted and re-admitted is not counted again). Line: since the engine started; dots: the "
     "requests admitted in that step."
 )
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who submitted a request: the privacy rule's input."""
+
+    session: str
+    panel: int
 
 
 def badge(info: RequestInfo | None) -> str:
@@ -106,6 +113,15 @@ class PageView:
     other_users: int  # requests of other sessions (or unknown ones) using it
     text: str | None  # None when the text is not this visitor's to see
     just_evicted: bool
+    hits: int = 0
+
+
+def visible_panels(record: PageRecord, owners: dict[int, Owner], session: str) -> tuple[tuple[int, ...], bool]:
+    """The privacy rule: this session's panels using the page, and whether the session may see its tokens
+    (one of its requests uses the page, or stored it)."""
+    mine = tuple(owners[r].panel for r in record.requests if r in owners and owners[r].session == session)
+    stored_by = owners.get(record.stored_by) if record.stored_by is not None else None
+    return mine, bool(mine) or (stored_by is not None and stored_by.session == session)
 
 
 def page_views(
@@ -118,9 +134,7 @@ def page_views(
     """Apply the privacy rule to every page: text only for pages this session's requests use or stored."""
     views = []
     for record in records:
-        mine = tuple(owners[r].panel for r in record.requests if r in owners and owners[r].session == session)
-        stored_by = owners.get(record.stored_by) if record.stored_by is not None else None
-        visible = bool(mine) or (stored_by is not None and stored_by.session == session)
+        mine, visible = visible_panels(record, owners, session)
         views.append(
             PageView(
                 page=record.page,
@@ -132,6 +146,7 @@ def page_views(
                 other_users=len(record.requests) - len(mine),
                 text=decode(list(record.token_ids)) if visible and record.token_ids else None,
                 just_evicted=record.page in evicted,
+                hits=record.hits,
             )
         )
     return views
@@ -139,9 +154,10 @@ def page_views(
 
 @dataclass(frozen=True)
 class Series:
-    """The time series the charts draw, one point per engine step (plus one for "now")."""
+    """The time series the charts draw, one point per engine step (live: plus one for "now")."""
 
-    ages: list[float]  # seconds before now (negative)
+    x_title: str
+    ages: list[float]  # x of each point: seconds before now (live), or since the run started (replay)
     used: list[int]
     cached: list[int]
     free: list[int]
@@ -149,6 +165,7 @@ class Series:
     hit_rate: list[float | None]  # cumulative hit rate (0..1) after each step
     step_hit_ages: list[float]  # steps that admitted requests ...
     step_hit_rate: list[float]  # ... and the hit share of the prompt tokens they admitted
+    marker: float | None = None  # replay: the x of the step shown
 
 
 def series(history: Sequence[StepSample], stats: CacheStats, now: float, window_s: float = 120.0) -> Series:
@@ -172,6 +189,7 @@ def series(history: Sequence[StepSample], stats: CacheStats, now: float, window_
         evictions.append(total)
     admitted = [s for s in samples if s.query_tokens]
     return Series(
+        x_title="seconds ago",
         ages=[round(s.time - now, 3) for s in samples] + [0.0],
         used=[s.used_pages for s in samples] + [stats.used_pages],
         cached=[s.cached_pages for s in samples] + [stats.cached_pages],
@@ -181,3 +199,46 @@ def series(history: Sequence[StepSample], stats: CacheStats, now: float, window_
         step_hit_ages=[round(s.time - now, 3) for s in admitted],
         step_hit_rate=[s.hit_tokens / s.query_tokens for s in admitted],
     )
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What one run cost: prefill tokens computed against submitted, and its times as the visitor saw them."""
+
+    prompt_tokens: int
+    computed_tokens: int  # prompt tokens not served from the cache (counted at each request's first admission)
+    ttft_s: float  # median over the panels
+    total_s: float  # submit to the last token
+
+
+def run_summary(infos: Sequence[RequestInfo], total_s: float) -> RunSummary | None:
+    if not infos or any(i.cached_tokens is None or i.ttft is None for i in infos):
+        return None  # a request that never started has nothing to compare
+    ttfts = sorted(i.ttft or 0.0 for i in infos)
+    return RunSummary(
+        prompt_tokens=sum(i.prompt_tokens for i in infos),
+        computed_tokens=sum(i.prompt_tokens - (i.cached_tokens or 0) for i in infos),
+        ttft_s=ttfts[len(ttfts) // 2],
+        total_s=total_s,
+    )
+
+
+def savings_note(on: RunSummary | None, off: RunSummary | None, small_model: bool) -> str:
+    """The sentence under the savings chart: the token ratio, and why the times may differ little."""
+    if on is None:
+        return "Run a batch, then press **Compare with caching off** to run the same prompts without the cache."
+    saved = on.prompt_tokens - on.computed_tokens
+    line = (
+        f"With caching, **{on.computed_tokens}** of {on.prompt_tokens} prompt tokens were computed: "
+        f"{saved} ({saved / on.prompt_tokens:.0%}) came from the cache."
+    )
+    if off is None:
+        return line + " Press **Compare with caching off** for the other side."
+    line += f" Without it, all {off.computed_tokens} were computed."
+    if small_model:
+        line += (
+            " The embedded model is tiny, so prefill costs little next to the per-step overheads and the times "
+            "differ little; the token count is the work saved. Load a larger model (Engine settings) to see the "
+            "time follow the tokens."
+        )
+    return line
