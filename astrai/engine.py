@@ -277,7 +277,8 @@ class InferenceEngine:
     def _page_records(self, pages: Iterable[int]) -> list[PageRecord]:
         """Records of these pages. A page still being filled is not indexed yet: its tokens come from its owner."""
         pool, size = self.pool, self.pool.page_size
-        ranks = pool.lru_rank()
+        pages = list(pages)
+        ranks = pool.lru_rank() if any(page in pool.lru for page in pages) else {}
         owners: dict[int, list[int]] = {}
         seen: dict[int, tuple[Request, int]] = {}
         for req in self.scheduler.running:

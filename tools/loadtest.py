@@ -39,8 +39,14 @@ PREFIX = "Once upon a time, in a small village by the sea, there lived a kind ol
 
 
 @contextlib.contextmanager
-def launch_app(extra_env: dict[str, str] | None = None, log_path: Path | None = None) -> Iterator[str]:
-    """Serve app.py on a free loopback port for the duration of the block; yields its URL."""
+def launch_app(
+    extra_env: dict[str, str] | None = None,
+    log_path: Path | None = None,
+    app: Path = APP,
+    args: list[str] | None = None,
+) -> Iterator[str]:
+    """Serve ``app`` (this checkout's app.py by default) on a free loopback port for the duration of the block;
+    yields its URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -53,7 +59,8 @@ def launch_app(extra_env: dict[str, str] | None = None, log_path: Path | None = 
         **(extra_env or {}),
     }
     log = open(log_path or os.devnull, "w")  # noqa: SIM115 - closed below, after the server
-    proc = subprocess.Popen([sys.executable, str(APP)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    command = [sys.executable, str(app), *(args or [])]
+    proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=app.parent)
     url, deadline = f"http://127.0.0.1:{port}/", time.monotonic() + 120
     try:
         while True:
