@@ -119,6 +119,7 @@ class InferenceEngine:
         self._event_seq = 0
         self._history: deque[StepSample] = deque(maxlen=history_size)
         self.steps = 0  # completed steps; events of the step in progress carry steps + 1
+        self._generated_tokens = 0
 
         self.pool = PagePool(n_pages, page_size, emit=self._emit)
         self.cache = KVCacheManager(self.pool, prefix_caching)
@@ -265,6 +266,7 @@ class InferenceEngine:
                 finished=self._ended_counts[Status.FINISHED],
                 cancelled=self._ended_counts[Status.CANCELLED],
                 failed=self._ended_counts[Status.FAILED],
+                generated_tokens=self._generated_tokens,
                 steps=self.steps,
                 prefix_caching=cache.prefix_caching,
             )
@@ -462,6 +464,7 @@ class InferenceEngine:
                 continue
             req.token_ids.append(token)
             appended.append((req.id, token))
+            self._generated_tokens += 1
             req.first_token_at = req.first_token_at or now
             items, index, detok = self._outputs[req.id]
             delta = detok.push(token)

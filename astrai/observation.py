@@ -40,6 +40,7 @@ class CacheStats:
     finished: int  # requests that ended by EOS or max_tokens
     cancelled: int
     failed: int
+    generated_tokens: int  # tokens sampled and appended, over all requests
     steps: int
     prefix_caching: bool
 

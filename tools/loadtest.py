@@ -108,6 +108,7 @@ class LoadReport:
     errors: list[str] = field(default_factory=list)
     used_pages_after: int = -1
     seconds: float = 0.0
+    tokens_per_s: float = 0.0  # tokens the engine generated during the load, over its wall time
 
     def summary(self) -> dict:
         def pct(values: list[float], q: float) -> float | None:
@@ -124,6 +125,7 @@ class LoadReport:
             errors=self.errors[:5],
             used_pages_after=self.used_pages_after,
             seconds=round(self.seconds, 1),
+            tokens_per_s=round(self.tokens_per_s, 1),
         )
 
 
@@ -158,6 +160,8 @@ def run_load(
                 if error and outcome == "error":
                     report.errors.append(error)
 
+    stats_client = Client(url, verbose=False)
+    generated_before = stats_client.predict(api_name="/cache_stats")["generated_tokens"]
     started = time.monotonic()
     threads = [threading.Thread(target=user, args=(i,), daemon=True) for i in range(clients)]
     for t in threads:
@@ -166,7 +170,8 @@ def run_load(
         t.join(timeout=job_timeout * rounds + 60)
     report.outcomes["hung"] += sum(t.is_alive() for t in threads)
     report.seconds = time.monotonic() - started
-    stats_client = Client(url, verbose=False)
+    generated = stats_client.predict(api_name="/cache_stats")["generated_tokens"] - generated_before
+    report.tokens_per_s = generated / report.seconds
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:  # cancelled runs release their pages at the engine's next step
         report.used_pages_after = stats_client.predict(api_name="/cache_stats")["used_pages"]
@@ -211,8 +216,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--queue-size", type=int, default=None, help="ASTRAI_QUEUE_SIZE for the started app")
+    parser.add_argument("--max-batch", type=int, default=None, help="ASTRAI_MAX_BATCH_SIZE for the started app")
+    parser.add_argument("--concurrency", type=int, default=None, help="ASTRAI_RUN_CONCURRENCY for the started app")
     args = parser.parse_args()
-    env = {"ASTRAI_QUEUE_SIZE": str(args.queue_size)} if args.queue_size else {}
+    knobs = {
+        "ASTRAI_QUEUE_SIZE": args.queue_size,
+        "ASTRAI_MAX_BATCH_SIZE": args.max_batch,
+        "ASTRAI_RUN_CONCURRENCY": args.concurrency,
+    }
+    env = {name: str(value) for name, value in knobs.items() if value is not None}
     with contextlib.ExitStack() as stack:
         url = args.url or stack.enter_context(launch_app(env))
         report = run_load(url, args.clients, args.rounds, args.max_tokens)

@@ -27,14 +27,14 @@ MODEL_CHOICES = {
 PAGE_SIZES = (4, 8, 16, 32, 64)
 DTYPES = tuple(SUPPORTED_DTYPES)
 POOL_PAGES = (8, 4096)
-BATCH_SIZES = (1, 32)
+BATCH_SIZES = (1, 64)
 
 
 @dataclass(frozen=True)
 class EngineSettings:
     page_size: int = 16
     n_pages: int = 256
-    max_batch_size: int = 8
+    max_batch_size: int = int(os.environ.get("ASTRAI_MAX_BATCH_SIZE", 8))
     prefix_caching: bool = True
     dtype: str = "float32"
 

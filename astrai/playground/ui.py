@@ -30,6 +30,7 @@ from astrai.playground.service import PlaygroundService
 DEFAULT_PANELS = 4
 REFRESH_SECONDS = 1.0
 REPLAY_TICK_SECONDS = 0.2
+RUN_CONCURRENCY = int(os.environ.get("ASTRAI_RUN_CONCURRENCY", 4))  # runs streaming at once (more wait in the queue)
 QUEUE_SIZE = 64  # waiting events beyond this get an immediate "queue is full" answer
 CAPTIONS = {
     "page_map": "Every page: your panel's colour when in use (x = shared), blue when cached (darker = more recently "
@@ -258,7 +259,7 @@ def _wire(app: Playground, ui: Components, demo: gr.Blocks, columns: list, c: di
         run_inputs,
         run_outputs,
         api_name="run",
-        concurrency_limit=4,
+        concurrency_limit=RUN_CONCURRENCY,
         concurrency_id="run",
         show_progress="minimal",
     )
@@ -267,7 +268,7 @@ def _wire(app: Playground, ui: Components, demo: gr.Blocks, columns: list, c: di
         run_inputs,
         run_outputs,
         api_name="compare",
-        concurrency_limit=4,
+        concurrency_limit=RUN_CONCURRENCY,
         concurrency_id="run",
         show_progress="minimal",
     )
