@@ -1,8 +1,46 @@
-"""AstrAI playground, a Hugging Face Space: `python app.py` (host and port from GRADIO_SERVER_NAME/PORT)."""
+"""AstrAI playground, a Hugging Face Space: `python app.py` (host and port from GRADIO_SERVER_NAME/PORT).
+
+Without options it serves the embedded in-process engine. Attached to a vLLM server instead (operator settings, never
+a field in the UI):
+
+    python app.py --vllm-url http://127.0.0.1:8011 [--kv-events ipc:///tmp/astrai-vllm-kv.sock]
+                  [--kv-replay ipc:///tmp/astrai-vllm-kv-replay.sock] [--model-name NAME]
+
+or the same through ASTRAI_VLLM_URL, ASTRAI_VLLM_KV_EVENTS, ASTRAI_VLLM_KV_REPLAY, ASTRAI_VLLM_MODEL.
+"""
+
+import argparse
+import os
+import sys
 
 from astrai.playground import create_app
 
-demo = create_app()
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    env = os.environ.get
+    parser = argparse.ArgumentParser(description="AstrAI playground")
+    parser.add_argument("--vllm-url", default=env("ASTRAI_VLLM_URL"), help="a vLLM OpenAI-compatible server")
+    parser.add_argument("--kv-events", default=env("ASTRAI_VLLM_KV_EVENTS"), help="its KV-event ZMQ endpoint")
+    parser.add_argument("--kv-replay", default=env("ASTRAI_VLLM_KV_REPLAY"), help="its KV-event replay endpoint")
+    parser.add_argument("--model-name", default=env("ASTRAI_VLLM_MODEL"), help="the served model (default: the only)")
+    args, _ = parser.parse_known_args(argv)  # gradio's and pytest's own arguments pass through
+    return args
+
+
+def make_backend(args: argparse.Namespace):
+    """None (the embedded engine) without a vLLM URL; a clear exit when the vLLM server cannot be used."""
+    if not args.vllm_url:
+        return None
+    from astrai.playground.backend import BackendError
+    from astrai.playground.vllm_backend import VllmBackend
+
+    try:
+        return VllmBackend(args.vllm_url, args.kv_events or None, args.kv_replay or None, args.model_name or None)
+    except (BackendError, ValueError) as exc:
+        sys.exit(f"app.py: cannot attach to vLLM: {exc}")
+
+
+demo = create_app(make_backend(parse_args()))
 
 if __name__ == "__main__":
     demo.launch()

@@ -10,6 +10,12 @@ Counting rules (the charts' captions say exactly this):
   those served from the prefix cache. A request preempted and re-admitted is counted apart, in
   ``readmitted_query_tokens`` / ``readmitted_hit_tokens``, so ``hit_tokens <= query_tokens`` always holds.
 * A hit is capped at ``len(prompt) - 1``: the last prompt token is always recomputed for its logits.
+
+``None`` means "this backend cannot know": the in-process engine fills every field, but a vLLM server
+(``astrai.playground.vllm_backend``) publishes only Prometheus counters and KV-cache events. It does not report a
+block's ref count, the LRU order, how many hits a block served, re-admissions counted apart, or per-step prefill
+and decode token counts, and without KV events it says nothing about cached-but-unused blocks, evictions or stored
+blocks. Those fields are ``None`` there (typed ``int | None`` below), and the views say "n/a" rather than invent.
 """
 
 from __future__ import annotations
@@ -23,17 +29,17 @@ class CacheStats:
 
     n_pages: int
     page_size: int
-    free_pages: int
+    free_pages: int | None  # None: not reported (vLLM without KV events)
     used_pages: int  # ref count >= 1
-    cached_pages: int  # ref count 0, indexed, in the LRU (evictable)
+    cached_pages: int | None  # ref count 0, indexed, in the LRU (evictable); None: not reported
     query_tokens: int  # prompt tokens looked up, once per request (first admission)
     hit_tokens: int  # of those, tokens served from the prefix cache
-    readmitted_query_tokens: int  # tokens looked up again when a preempted request came back
-    readmitted_hit_tokens: int
+    readmitted_query_tokens: int | None  # tokens looked up again when a preempted request came back (vLLM: None)
+    readmitted_hit_tokens: int | None
     hit_rate: float  # hit_tokens / query_tokens, in [0, 1]
     recent_hit_rate: float  # the same over the last ``HIT_WINDOW`` first admissions
-    evictions: int
-    stored_pages: int  # pages ever registered in the prefix index
+    evictions: int | None  # None: not reported (vLLM without KV events)
+    stored_pages: int | None  # pages ever registered in the prefix index; None: not reported
     preemptions: int
     running: int
     waiting: int
@@ -51,14 +57,14 @@ class PageRecord:
 
     page: int
     state: str  # "free" | "in_use" | "cached"
-    ref_count: int
-    lru_rank: int | None  # 0 = evicted next; None unless cached
+    ref_count: int | None  # None: unknown (vLLM does not publish ref counts)
+    lru_rank: int | None  # 0 = evicted next; None unless cached, or unknown (vLLM does not publish its LRU order)
     requests: tuple[int, ...]  # running requests whose page table holds it
     chain_pos: int  # the page's index in its chain (-1 when it has none)
     key: bytes | None  # its chained hash, once registered in the prefix index
     parent_key: bytes | None  # the previous page's key (None for a chain's first page)
     stored_by: int | None  # the request whose forward wrote the registered KV
-    hits: int  # prefix hits this page has served since it was registered
+    hits: int | None  # prefix hits this page has served since it was registered; None: unknown (vLLM)
     token_ids: tuple[int, ...]
 
 
@@ -141,14 +147,14 @@ class StepSample:
     step: int
     time: float  # wall clock (time.time()) at the end of the step
     duration_s: float  # schedule + forward + sampling
-    free_pages: int
+    free_pages: int | None  # None where the backend cannot know (see the module docstring)
     used_pages: int
-    cached_pages: int
-    prefill_tokens: int  # prompt (or recomputed) tokens run through the model in this step
-    decode_tokens: int
+    cached_pages: int | None
+    prefill_tokens: int | None  # prompt (or recomputed) tokens run through the model in this step
+    decode_tokens: int | None
     hit_tokens: int  # tokens served from the cache to requests admitted in this step (first admissions)
     query_tokens: int
-    evictions: int  # in this step
+    evictions: int | None  # in this step
     preemptions: int  # in this step
     requests: tuple[int, ...]  # requests the step computed
     sampled: tuple[tuple[int, int], ...]  # (request, token id) for every token this step appended

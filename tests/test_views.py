@@ -114,10 +114,10 @@ def test_series_recover_the_cumulative_hit_rate_at_every_step():
     now_stats = stats(hit_tokens=30, query_tokens=80, hit_rate=30 / 80, free_pages=16)
     data = views.series(history, now_stats, now=102.0)
     assert data.x_title == "seconds ago" and data.marker is None
-    assert data.ages == [-2.0, -1.5, -1.0, 0.0]
-    assert data.hit_rate == [0.0, 0.0, 30 / 80, 30 / 80]
+    assert data.ages == [-2.0, -1.0, 0.0]  # step 2 repeats step 1: a step-shaped line does not need it
+    assert data.hit_rate == [0.0, 30 / 80, 30 / 80]
     assert data.step_hit_rate == [0.0, 0.75] and data.step_hit_ages == [-2.0, -1.0]
-    assert data.evictions == [0, 0, 2, 2]
+    assert data.evictions == [0, 2, 2]
     assert data.free[-1] == 16  # the right edge is now, not the last step
 
 
@@ -132,3 +132,11 @@ def test_series_keep_only_the_window_and_never_exceed_one():
 def test_the_stats_line_names_what_the_hit_rate_counts():
     line = views.stats_line(stats(hit_tokens=30, query_tokens=80, hit_rate=0.375, readmitted_query_tokens=9), "m")
     assert "hits 30 of 80 prompt tokens (38%)" in line and "on re-admission" in line
+
+
+def test_long_histories_are_thinned_for_the_browser_but_keep_their_ends():
+    history = [sample(i, 1000.0 + i / 100, hits=i % 2, queries=1, evictions=i % 3 == 0) for i in range(1, 4001)]
+    data = views.series(history, stats(hit_tokens=2000, query_tokens=4000, hit_rate=0.5), now=1041.0)
+    assert len(data.ages) <= views.MAX_POINTS + 2
+    assert data.ages[0] == round(history[0].time - 1041.0, 3) and data.ages[-1] == 0.0
+    assert data.evictions[-1] == sum(s.evictions for s in history) and data.hit_rate[-1] == 0.5

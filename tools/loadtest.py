@@ -108,7 +108,7 @@ class LoadReport:
     errors: list[str] = field(default_factory=list)
     used_pages_after: int = -1
     seconds: float = 0.0
-    tokens_per_s: float = 0.0  # tokens the engine generated during the load, over its wall time
+    tokens_per_s: float | None = None  # tokens the engine generated during the load, over its wall time
 
     def summary(self) -> dict:
         def pct(values: list[float], q: float) -> float | None:
@@ -125,7 +125,7 @@ class LoadReport:
             errors=self.errors[:5],
             used_pages_after=self.used_pages_after,
             seconds=round(self.seconds, 1),
-            tokens_per_s=round(self.tokens_per_s, 1),
+            tokens_per_s=None if self.tokens_per_s is None else round(self.tokens_per_s, 1),
         )
 
 
@@ -161,7 +161,7 @@ def run_load(
                     report.errors.append(error)
 
     stats_client = Client(url, verbose=False)
-    generated_before = stats_client.predict(api_name="/cache_stats")["generated_tokens"]
+    generated_before = stats_client.predict(api_name="/cache_stats").get("generated_tokens")  # None: older apps
     started = time.monotonic()
     threads = [threading.Thread(target=user, args=(i,), daemon=True) for i in range(clients)]
     for t in threads:
@@ -170,8 +170,9 @@ def run_load(
         t.join(timeout=job_timeout * rounds + 60)
     report.outcomes["hung"] += sum(t.is_alive() for t in threads)
     report.seconds = time.monotonic() - started
-    generated = stats_client.predict(api_name="/cache_stats")["generated_tokens"] - generated_before
-    report.tokens_per_s = generated / report.seconds
+    if generated_before is not None:
+        generated = stats_client.predict(api_name="/cache_stats")["generated_tokens"] - generated_before
+        report.tokens_per_s = generated / report.seconds
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:  # cancelled runs release their pages at the engine's next step
         report.used_pages_after = stats_client.predict(api_name="/cache_stats")["used_pages"]
@@ -218,6 +219,7 @@ def main() -> None:
     parser.add_argument("--queue-size", type=int, default=None, help="ASTRAI_QUEUE_SIZE for the started app")
     parser.add_argument("--max-batch", type=int, default=None, help="ASTRAI_MAX_BATCH_SIZE for the started app")
     parser.add_argument("--concurrency", type=int, default=None, help="ASTRAI_RUN_CONCURRENCY for the started app")
+    parser.add_argument("--app", type=Path, default=APP, help="the app.py to start (another checkout's, say)")
     args = parser.parse_args()
     knobs = {
         "ASTRAI_QUEUE_SIZE": args.queue_size,
@@ -226,7 +228,7 @@ def main() -> None:
     }
     env = {name: str(value) for name, value in knobs.items() if value is not None}
     with contextlib.ExitStack() as stack:
-        url = args.url or stack.enter_context(launch_app(env))
+        url = args.url or stack.enter_context(launch_app(env, app=args.app))
         report = run_load(url, args.clients, args.rounds, args.max_tokens)
     for key, value in report.summary().items():
         print(f"{key}: {value}")

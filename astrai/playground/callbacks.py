@@ -7,7 +7,9 @@ with ``charts``. Per-visitor state (the last run's recording, the savings, live 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,8 +29,10 @@ MAX_PANELS = 6
 MAX_PROMPT_CHARS = 2000
 MAX_NEW_TOKENS = 256
 TEXT_EVERY_S = 0.04  # panel text: at most one update per 40 ms (gradio sends every yield)
-DETAILS_EVERY_S = 0.5  # badges, table, replay slider: they change slowly and cost more to draw
+DETAILS_EVERY_S = 0.5  # badges and token colouring: they change slowly
+MESSAGES_PER_S = 50  # stream messages the server sends per second, all runs together; more runs, fewer each
 SPEEDS = {"1x": 1.0, "quarter": 0.25}
+MAX_GHOSTS = 64  # evicted pages kept for the tree's next drawing
 
 
 @dataclass
@@ -60,6 +64,15 @@ class Components:
     engine_status: Any
 
 
+@contextlib.contextmanager
+def _streaming(visitor: Visitor) -> Iterator[None]:
+    visitor.streaming = True
+    try:
+        yield
+    finally:
+        visitor.streaming = False
+
+
 def session_of(request: gr.Request) -> str:
     return request.session_hash or "anonymous"
 
@@ -68,12 +81,43 @@ def panel_label(panel: int) -> str:
     return f"panel {panel + 1}"
 
 
+class StreamingRuns:
+    """How many runs are streaming now, so each can pace its messages to share ``MESSAGES_PER_S``.
+
+    Every yield of every run is one message that Gradio diffs, serializes and sends on the same two cores as the
+    engine: with 16 visitors at 25 messages/s each, the server would spend its time on messages, not tokens.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active = 0
+
+    @contextlib.contextmanager
+    def streaming(self) -> Iterator[None]:
+        with self._lock:
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._active -= 1
+
+    def interval(self) -> float:
+        """Seconds between two text messages of one run."""
+        return max(TEXT_EVERY_S, self._active / MESSAGES_PER_S)
+
+    def alone(self) -> bool:
+        """Whether a single run streams: it may then also refresh its costlier outputs (the table) as it goes."""
+        return self._active <= 1
+
+
 class Playground:
     """Callbacks bound to one shared service; Gradio gives each the caller's session through gr.Request."""
 
     def __init__(self, service: PlaygroundService):
         self.service = service
         self.backend = service.backend
+        self.runs = StreamingRuns()
         self.ui: Components  # set by build_demo once the components exist
 
     # ----- run, compare, stop -----------------------------------------------------------------------------
@@ -167,41 +211,42 @@ class Playground:
         visitor.recording = replay.Recording(base, (), tuple(run.request_ids))
         visitor.prompts, visitor.following, visitor.play = prompts, True, None
         answers = [""] * n
-        coloured: set[int] = set()  # panels whose token colouring was sent (once: it never changes)
         decode, special = backend.decode, backend.special_ids()
-        badges = [""] * MAX_PANELS
+        # Every yield carries a value for every output: an output left out becomes gr.skip(), which makes Gradio
+        # rebuild that component's config and API schema (about a millisecond each, per frame, per visitor).
+        # Values that did not change cost nothing: a streaming output is sent as a diff.
+        frame: dict = {ui.table: [], **{box: None for box in ui.highlights}}
 
         def text() -> dict:
-            """Every panel's text and badge, each frame: Gradio sends a string as a diff, and API clients get
-            plain values rather than "unchanged" markers."""
-            update = {ui.outputs[i]: answers[i] if i < n else "" for i in range(MAX_PANELS)}
-            return update | {ui.badges[i]: badges[i] for i in range(MAX_PANELS)}
+            frame.update({ui.outputs[i]: answers[i] if i < n else "" for i in range(MAX_PANELS)})
+            return dict(frame)
 
-        def details(first: bool = False) -> dict:
+        def details(costly: bool = False) -> dict:
+            """Badges and token colouring; with ``costly``, also the table, which the browser redraws whole."""
             infos = self._infos(run.request_ids)
-            update: dict = {ui.table: views.request_rows(infos, prompts)}
             for i in range(MAX_PANELS):
                 info = infos[i] if i < n else None
-                badges[i] = views.badge(info)
-                if info is not None and info.cached_tokens is not None and i not in coloured:
-                    coloured.add(i)
-                    update[ui.highlights[i]] = views.token_highlights(info, decode, special)
-                elif first:
-                    update[ui.highlights[i]] = None  # clear the last run's colouring
-            return update | self._follow(visitor)
+                frame[ui.badges[i]] = views.badge(info)
+                if info is not None and info.cached_tokens is not None and frame[ui.highlights[i]] is None:
+                    frame[ui.highlights[i]] = views.token_highlights(info, decode, special)
+            if costly:
+                frame[ui.table] = views.request_rows(infos, prompts)
+                self._follow(visitor)
+            return text()
 
         try:
-            yield details(first=True) | text()
+            yield details(costly=True)
             last_text = last_details = time.monotonic()
-            for index, delta in run:
-                answers[index] += delta
-                now = time.monotonic()
-                if now - last_details >= DETAILS_EVERY_S:
-                    last_details = last_text = now
-                    yield details() | text()
-                elif now - last_text >= TEXT_EVERY_S:
-                    last_text = now
-                    yield text()
+            with self.runs.streaming(), _streaming(visitor):
+                for index, delta in run:
+                    answers[index] += delta
+                    now = time.monotonic()
+                    if now - last_details >= DETAILS_EVERY_S:
+                        last_details = last_text = now
+                        yield details(costly=self.runs.alone())
+                    elif now - last_text >= self.runs.interval():
+                        last_text = now
+                        yield text()
         except BackendError as exc:
             gr.Warning(str(exc))
         finally:
@@ -211,26 +256,34 @@ class Playground:
             visitor.with_cache, visitor.without_cache = summary, None
         else:
             visitor.without_cache = summary
-        yield details() | text() | self._savings(visitor)
+        yield details(costly=True)
+
+    def after_run(self, request: gr.Request) -> dict:
+        """Once a run ends (or is stopped): stretch the replay slider over it, narrate its last step, and chart
+        what caching saved. Apart from the stream because resizing a slider is a costly prop update."""
+        visitor = self.service.visitor(session_of(request))
+        recording = self._follow(visitor)
+        steps = len(recording.samples) if recording else 0
+        update = self._savings(visitor)
+        if visitor.following:
+            update[self.ui.replay_step] = gr.Slider(maximum=max(steps, 1), value=steps)
+        else:
+            update[self.ui.replay_step] = gr.Slider(maximum=max(steps, 1))
+        note = replay.narrate(recording, steps) if recording else ""
+        return update | {self.ui.replay_note: note}
 
     def _infos(self, request_ids: list[int]) -> list:
         by_id = {info.id: info for info in self.backend.request_info(request_ids)}
         return [by_id.get(rid) for rid in request_ids]
 
-    def _follow(self, visitor: Visitor) -> dict:
-        """Extend the visitor's recording; while they follow live, move the replay slider to the newest step."""
+    def _follow(self, visitor: Visitor) -> replay.Recording | None:
+        """Extend the visitor's recording with the steps since its last sample."""
         recording = visitor.recording
         if recording is None:
-            return {}
+            return None
         last = recording.samples[-1].step if recording.samples else recording.base.step
         visitor.recording = recording = recording.extended(self.backend.history(after_step=last))
-        if not visitor.following:
-            return {}
-        steps = len(recording.samples)
-        return {
-            self.ui.replay_step: gr.Slider(maximum=max(steps, 1), value=steps),
-            self.ui.replay_note: replay.narrate(recording, steps),
-        }
+        return recording
 
     def _savings(self, visitor: Visitor) -> dict:
         small = self.backend.label == EMBEDDED_LABEL
@@ -247,27 +300,43 @@ class Playground:
         state = view_state or {}
         generation = backend.generation
         fresh = state.get("generation") != generation
+        try:
+            stats = backend.stats()
+        except BackendError as exc:  # a server away: say so, keep serving, try again at the next tick
+            return {ui.stats: views.unreachable_line(backend.label, str(exc))}
         events = backend.events(after=0 if fresh else state.get("seq", 0))
         evicted = [] if fresh else [e for e in events if isinstance(e, PageEvicted)]
         seq = events[-1].seq if events else (0 if fresh else state.get("seq", 0))
-        stats = backend.stats()
         quiet = not fresh and not events and stats.steps == state.get("steps")
-        new_state = {"generation": generation, "seq": seq, "steps": stats.steps, "settled": quiet}
-        update = {ui.view_state: new_state, ui.stats: views.stats_line(stats, backend.label)}
+        tick = state.get("tick", 0) + 1
+        pending = ([] if fresh else state.get("evicted", [])) + evicted  # for the tree, which is drawn in turns
+        new_state = {"generation": generation, "seq": seq, "steps": stats.steps, "settled": quiet, "tick": tick}
+        new_state["evicted"] = pending[-MAX_GHOSTS:]
+        derived = getattr(backend, "derived", frozenset())  # stats the backend computes rather than reads (vLLM)
+        update = {ui.view_state: new_state, ui.stats: views.stats_line(stats, backend.label, derived)}
         if not visitor.following or (quiet and state.get("settled")):  # replaying, or nothing moved: no redraw
             return update
+        if visitor.streaming and tick % 2 and not fresh:  # every other second while text streams: text first
+            return update
+        # Every redrawn figure costs the browser a frame or more. While the cache moves, the two in view (page map,
+        # occupancy) are redrawn each tick (every other one while this visitor's text streams) and the three below
+        # take turns (not at all while the text streams); once the cache settles, all are redrawn.
+        everything = fresh or quiet
         series = views.series(backend.history(0), stats, time.time())
         records = backend.snapshot().pages
         owners = self._owners(records)
         pages = views.page_views(records, owners, session, {e.page for e in evicted}, backend.decode)
-        cache_tree = tree.prefix_tree(records, evicted, owners, session, backend.decode)
-        return update | {
-            ui.page_map: charts.page_map(pages, panel_label),
-            ui.plots[0]: charts.occupancy_chart(series),
-            ui.plots[1]: charts.lru_chart(series),
-            ui.plots[2]: charts.hit_rate_chart(series),
-            ui.prefix_tree: charts.prefix_tree(cache_tree, panel_label),
-        }
+        update |= {ui.page_map: charts.page_map(pages, panel_label), ui.plots[0]: charts.occupancy_chart(series)}
+        if visitor.streaming and not everything:  # the text has the browser's frames; the rest waits for the end
+            return update
+        if everything or tick % 3 == 0:
+            update[ui.plots[1]] = charts.lru_chart(series)
+        if everything or tick % 3 == 1:
+            update[ui.plots[2]] = charts.hit_rate_chart(series)
+        if everything or tick % 3 == 2:
+            cache_tree = tree.prefix_tree(records, new_state.pop("evicted"), owners, session, backend.decode)
+            update[ui.prefix_tree] = charts.prefix_tree(cache_tree, panel_label)
+        return update
 
     def _owners(self, records) -> dict:
         requests = {r for record in records for r in (*record.requests, record.stored_by) if r is not None}
@@ -277,10 +346,8 @@ class Playground:
     def show_step(self, index, request: gr.Request) -> dict:
         """The visitor grabbed the slider: stop following, and show the recorded step."""
         visitor = self.service.visitor(session_of(request))
-        visitor.following, visitor.play = False, None
-        return self._replay_frame(visitor, session_of(request), int(index or 0)) | {
-            self.ui.replay_timer: gr.Timer(active=False)
-        }
+        visitor.following, visitor.play = False, None  # a playing timer stops itself at its next tick
+        return self._replay_frame(visitor, session_of(request), int(index or 0))
 
     def step_by(self, index, delta: int, request: gr.Request) -> dict:
         return self.show_step(int(index or 0) + delta, request)
@@ -322,7 +389,7 @@ class Playground:
         steps = len(visitor.recording.samples) if visitor.recording else 0
         return {
             self.ui.replay_timer: gr.Timer(active=False),
-            self.ui.replay_step: gr.Slider(value=steps),
+            self.ui.replay_step: steps,
             self.ui.view_state: {},  # the next refresh redraws everything
         }
 
@@ -336,10 +403,11 @@ class Playground:
         decode = self.backend.decode
         pages = views.page_views(records, owners, session, set(), decode)
         series = replay.replay_series(recording, index)
-        texts = replay.texts_at(recording, index, lambda ids: decode([t for t in ids if t not in self._special()]))
+        special = self.backend.special_ids()
+        texts = replay.texts_at(recording, index, lambda ids: decode([t for t in ids if t not in special]))
         step = recording.samples[index - 1].step if index else recording.base.step
         update = {
-            ui.replay_step: gr.Slider(maximum=max(len(recording.samples), 1), value=index),
+            ui.replay_step: index,  # a plain value: the maximum was set when the run ended
             ui.replay_note: f"**Replay** · {replay.narrate(recording, index)}",
             ui.page_map: charts.page_map(pages, panel_label, title=f"Page map after step {step}"),
             ui.plots[0]: charts.occupancy_chart(series),
@@ -350,13 +418,13 @@ class Playground:
         update.update({ui.outputs[i]: text for i, text in enumerate(texts)})
         return update
 
-    def _special(self) -> set[int]:
-        return self.backend.special_ids()
-
     # ----- buttons ----------------------------------------------------------------------------------------
     def cache_stats(self) -> dict:
         """The shared cache's counters, for API clients (load tests, dashboards)."""
-        return dataclasses.asdict(self.backend.stats())
+        try:
+            return dataclasses.asdict(self.backend.stats())
+        except BackendError as exc:
+            raise gr.Error(str(exc)) from None
 
     def page_map_at(self, index: int, request: gr.Request) -> list[dict]:
         """The caller's recorded pool after ``index`` steps of their last run (state, refs, owners), for tests."""
@@ -369,7 +437,11 @@ class Playground:
         ]
 
     def clear_cache(self) -> None:
-        freed = self.backend.clear()
+        try:
+            freed = self.backend.clear()
+        except BackendError as exc:
+            gr.Warning(str(exc))
+            return
         gr.Info(f"Prefix cache cleared: {freed} cached pages are free again.")
 
     def follow_up(self, n_panels, *texts) -> dict:

@@ -33,8 +33,8 @@ BATCH_SIZES = (1, 64)
 @dataclass(frozen=True)
 class EngineSettings:
     page_size: int = 16
-    n_pages: int = 256
-    max_batch_size: int = int(os.environ.get("ASTRAI_MAX_BATCH_SIZE", 8))
+    n_pages: int = 1024  # room for a full batch of 64 requests (~8 pages each: 16 four-panel runs) without preempting
+    max_batch_size: int = int(os.environ.get("ASTRAI_MAX_BATCH_SIZE", 64))  # docs/benchmarks.md: the load curve
     prefix_caching: bool = True
     dtype: str = "float32"
 

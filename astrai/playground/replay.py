@@ -80,7 +80,7 @@ def narrate(recording: Recording, index: int) -> str:
     if index == 0 or not recording.samples:
         return f"step {recording.base.step}: before the run"
     sample = recording.samples[index - 1]
-    before = {p.page: p for p in pages_at(recording, index - 1)}
+    before = _states_before(recording, index - 1, {c.page for c in sample.page_changes})
     panel = {rid: i for i, rid in enumerate(recording.request_ids)}
     mine = [panel[r] + 1 for r in sample.requests if r in panel]
     seen_before = {r for s in recording.samples[: index - 1] for r in s.requests}
@@ -100,9 +100,26 @@ def narrate(recording: Recording, index: int) -> str:
         parts.append(f"{_count(sample.evictions, 'eviction')}")
     if sample.preemptions:
         parts.append(f"{_count(sample.preemptions, 'preemption')}")
-    computed = f"{sample.prefill_tokens} prefill + {sample.decode_tokens} decode tokens computed"
+    if sample.prefill_tokens is None or sample.decode_tokens is None:
+        computed = "tokens computed per step: n/a (not reported)"
+    else:
+        computed = f"{sample.prefill_tokens} prefill + {sample.decode_tokens} decode tokens computed"
     who = f"panels {', '.join(map(str, mine))}" if len(mine) > 1 else f"panel {mine[0]}" if mine else "other sessions"
     return f"step {sample.step}: {who}; {computed}" + ("; " + ", ".join(parts) if parts else "")
+
+
+def _states_before(recording: Recording, index: int, pages: set[int]) -> dict[int, PageRecord]:
+    """These pages as they were after the first ``index`` samples: each one's latest change, else the base.
+    Walks back from ``index`` and stops once every page is found (usually within a few steps)."""
+    found: dict[int, PageRecord] = {}
+    for sample in reversed(recording.samples[:index]):
+        for change in sample.page_changes:
+            if change.page in pages and change.page not in found:
+                found[change.page] = change
+        if len(found) == len(pages):
+            return found
+    base = {p.page: p for p in recording.base.pages}
+    return {page: found.get(page) or base[page] for page in pages}
 
 
 def _count(n: int, noun: str) -> str:
@@ -116,11 +133,13 @@ def replay_series(recording: Recording, index: int) -> Series:
     """
     samples = recording.samples
     start = samples[0].time - samples[0].duration_s if samples else 0.0
-    hits = queries = evictions = 0
+    hits = queries = 0
+    evictions: int | None = 0
     hit_rate: list[float | None] = []
-    evicted: list[int] = []
+    evicted: list[int | None] = []
     for s in samples:
-        hits, queries, evictions = hits + s.hit_tokens, queries + s.query_tokens, evictions + s.evictions
+        hits, queries = hits + s.hit_tokens, queries + s.query_tokens
+        evictions = None if evictions is None or s.evictions is None else evictions + s.evictions
         hit_rate.append(hits / queries if queries else None)
         evicted.append(evictions)
     admitted = [s for s in samples if s.query_tokens]

@@ -25,6 +25,7 @@ class Visitor:
     recording: Recording | None = None
     prompts: list[str] = field(default_factory=list)
     following: bool = True  # live: the replay slider and the charts follow the latest step
+    streaming: bool = False  # a run of this visitor is streaming text (the charts then redraw less often)
     play: tuple[float, float, int] | None = None  # (speed, wall clock at start, index at start) while playing
     with_cache: RunSummary | None = None
     without_cache: RunSummary | None = None

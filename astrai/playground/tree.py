@@ -27,7 +27,7 @@ class TreeNode:
     lru_rank: int | None
     pages: list[int] = field(default_factory=list)
     texts: list[str | None] = field(default_factory=list)  # None: another session's text
-    hits: int = 0
+    hits: int | None = 0  # None: not reported by the backend (vLLM)
 
     @property
     def label(self) -> str:
@@ -98,7 +98,7 @@ def _collapse(nodes: dict[str, TreeNode]) -> list[TreeNode]:
             if (child.kind, child.panel, child.texts[0] is None) == (head.kind, head.panel, head.texts[0] is None):
                 head.pages += child.pages
                 head.texts += child.texts
-                head.hits = max(head.hits, child.hits)
+                head.hits = None if None in (head.hits, child.hits) else max(head.hits, child.hits)
                 merged_into[child.id] = head.id
     kept = [n for n in nodes.values() if n.id not in merged_into]
     for node in kept:

@@ -30,7 +30,7 @@ from astrai.playground.service import PlaygroundService
 DEFAULT_PANELS = 4
 REFRESH_SECONDS = 1.0
 REPLAY_TICK_SECONDS = 0.2
-RUN_CONCURRENCY = int(os.environ.get("ASTRAI_RUN_CONCURRENCY", 4))  # runs streaming at once (more wait in the queue)
+RUN_CONCURRENCY = int(os.environ.get("ASTRAI_RUN_CONCURRENCY", 16))  # runs streaming at once (more wait in the queue)
 QUEUE_SIZE = 64  # waiting events beyond this get an immediate "queue is full" answer
 CAPTIONS = {
     "page_map": "Every page: your panel's colour when in use (x = shared), blue when cached (darker = more recently "
@@ -252,8 +252,8 @@ def _wire(app: Playground, ui: Components, demo: gr.Blocks, columns: list, c: di
         c["seed"],
         c["isolate"],
     ]
-    run_outputs = [*ui.outputs, *ui.badges, *ui.highlights, ui.table, ui.replay_step, ui.replay_note]
-    run_outputs += [ui.savings, ui.savings_note]
+    run_outputs = [*ui.outputs, *ui.badges, *ui.highlights, ui.table]
+    after_outputs = [ui.replay_step, ui.replay_note, ui.savings, ui.savings_note]
     run_event = c["run_btn"].click(
         app.run,
         run_inputs,
@@ -272,7 +272,12 @@ def _wire(app: Playground, ui: Components, demo: gr.Blocks, columns: list, c: di
         concurrency_id="run",
         show_progress="minimal",
     )
-    c["stop_btn"].click(fn=None, cancels=[run_event, compare_event], api_name="stop")
+    # API clients call /after_run themselves once /run returns (the browser chains it): see tests/test_app.py
+    run_event.then(app.after_run, None, after_outputs, api_name="after_run", show_progress="hidden")
+    compare_event.then(app.after_run, None, after_outputs, api_visibility="private", show_progress="hidden")
+    c["stop_btn"].click(fn=None, cancels=[run_event, compare_event], api_name="stop").then(
+        app.after_run, None, after_outputs, api_visibility="private", show_progress="hidden"
+    )
     c["clear_btn"].click(app.clear_cache, api_name="clear_cache", concurrency_limit=4)
     c["follow_btn"].click(app.follow_up, [ui.n_panels, *ui.prompts, *ui.outputs], ui.prompts, api_visibility="private")
     c["apply_btn"].click(

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from astrai.observation import CacheStats, PageRecord, RequestInfo, StepSample
 
 MAX_HIGHLIGHT_TOKENS = 300
+MAX_POINTS = 300  # per time series drawn
 SPECIAL_TOKEN_TEXT = "⟨s⟩"
 TABLE_COLUMNS = [
     "panel",
@@ -24,6 +25,7 @@ TABLE_COLUMNS = [
     "tok/s",
     "preemptions",
 ]
+NOT_REPORTED = "n/a (vLLM does not report it)"
 HIT_RATE_CAPTION = (
     "Share of prompt tokens served from the prefix cache. Each request is counted once, at its first admission "
     "(a request preempted and re-admitted is not counted again). Line: since the engine started; dots: the "
@@ -43,7 +45,7 @@ def badge(info: RequestInfo | None) -> str:
     if info is None:
         return ""
     parts = [f"**{info.prompt_tokens}** prompt tokens"]
-    if info.cached_tokens is not None:
+    if info.cached_tokens is not None and info.prompt_tokens:
         parts.append(f"**{info.cached_tokens}** cached ({100 * info.cached_tokens / info.prompt_tokens:.0f}%)")
     if info.ttft is not None:
         parts.append(f"TTFT {info.ttft:.2f} s")
@@ -51,7 +53,9 @@ def badge(info: RequestInfo | None) -> str:
         parts.append(f"{info.tokens_per_s:.1f} tok/s")
     if info.preemptions:
         parts.append(f"preempted ×{info.preemptions}")
-    if info.status in ("cancelled", "failed"):
+    if info.status == "failed" and info.error:
+        parts.append(f"failed: {info.error}")
+    elif info.status in ("cancelled", "failed"):
         parts.append(info.status)
     return " · ".join(parts)
 
@@ -86,18 +90,37 @@ def request_rows(infos: Sequence[RequestInfo | None], prompts: Sequence[str]) ->
     ]
 
 
-def stats_line(stats: CacheStats, model_label: str) -> str:
+def _count(value: int | None) -> str:
+    return NOT_REPORTED if value is None else str(value)
+
+
+def stats_line(stats: CacheStats, model_label: str, derived: frozenset[str] = frozenset()) -> str:
+    """The one-line summary under the charts; a quantity the backend does not report reads "n/a (...)", and one
+    it only derives (a field name in ``derived``) is marked "(derived)"."""
     readmitted = (
         f" (+{stats.readmitted_hit_tokens} of {stats.readmitted_query_tokens} on re-admission)"
         if stats.readmitted_query_tokens
         else ""
     )
+
+    def pages(value: int | None, name: str, what: str) -> str:
+        if value is None:
+            return f"{NOT_REPORTED} {what}"
+        return f"**{value}** {what}" + (" (derived)" if name in derived else "")
+
+    cached, free = pages(stats.cached_pages, "cached_pages", "cached"), pages(stats.free_pages, "free_pages", "free")
     return (
-        f"**{stats.used_pages}** in use · **{stats.cached_pages}** cached · **{stats.free_pages}** free "
+        f"**{stats.used_pages}** in use · {cached} · {free} "
         f"of {stats.n_pages} pages × {stats.page_size} tokens · hits {stats.hit_tokens} of {stats.query_tokens} "
-        f"prompt tokens ({stats.hit_rate:.0%}){readmitted} · {stats.evictions} evictions · {stats.preemptions} "
-        f"preemptions · prefix caching {'on' if stats.prefix_caching else 'off'} · model: {model_label}"
+        f"prompt tokens ({stats.hit_rate:.0%}){readmitted} · {_count(stats.evictions)} evictions · "
+        f"{stats.preemptions} preemptions · prefix caching {'on' if stats.prefix_caching else 'off'} · "
+        f"model: {model_label}"
     )
+
+
+def unreachable_line(model_label: str, reason: str) -> str:
+    """The stats line while the backend cannot be reached (the app keeps serving and retries)."""
+    return f"⚠️ **backend unreachable**: {reason} · retrying every second · model: {model_label}"
 
 
 @dataclass(frozen=True)
@@ -106,14 +129,14 @@ class PageView:
 
     page: int
     state: str  # free / in_use / cached
-    ref_count: int
+    ref_count: int | None  # None: the backend does not know (vLLM)
     lru_rank: int | None
     chain_pos: int
     panels: tuple[int, ...]  # this visitor's panels using it
     other_users: int  # requests of other sessions (or unknown ones) using it
     text: str | None  # None when the text is not this visitor's to see
     just_evicted: bool
-    hits: int = 0
+    hits: int | None = 0  # None: the backend does not know (vLLM)
 
 
 def visible_panels(record: PageRecord, owners: dict[int, Owner], session: str) -> tuple[tuple[int, ...], bool]:
@@ -159,9 +182,9 @@ class Series:
     x_title: str
     ages: list[float]  # x of each point: seconds before now (live), or since the run started (replay)
     used: list[int]
-    cached: list[int]
-    free: list[int]
-    evictions: list[int]  # cumulative from the left edge
+    cached: list[int | None]  # None: not reported by the backend
+    free: list[int | None]
+    evictions: list[int | None]  # cumulative from the left edge; None: not reported
     hit_rate: list[float | None]  # cumulative hit rate (0..1) after each step
     step_hit_ages: list[float]  # steps that admitted requests ...
     step_hit_rate: list[float]  # ... and the hit share of the prompt tokens they admitted
@@ -183,22 +206,49 @@ def series(history: Sequence[StepSample], stats: CacheStats, now: float, window_
         hits_after += s.hit_tokens
         queries_after += s.query_tokens
     hit_rate.reverse()
-    evictions, total = [], 0
+    evictions: list[int | None] = []
+    total: int | None = 0
     for s in samples:
-        total += s.evictions
+        total = None if total is None or s.evictions is None else total + s.evictions
         evictions.append(total)
+    if stats.evictions is None:
+        total = None
     admitted = [s for s in samples if s.query_tokens]
+    columns = [
+        [round(s.time - now, 3) for s in samples] + [0.0],
+        [s.used_pages for s in samples] + [stats.used_pages],
+        [s.cached_pages for s in samples] + [stats.cached_pages],
+        [s.free_pages for s in samples] + [stats.free_pages],
+        evictions + [total],
+        hit_rate + [stats.hit_rate if stats.query_tokens else None],
+    ]
+    keep = _points_to_draw(columns[0], list(zip(*columns[1:], strict=True)))
+    ages, used, cached, free, evicted, rates = ([column[i] for i in keep] for column in columns)
     return Series(
         x_title="seconds ago",
-        ages=[round(s.time - now, 3) for s in samples] + [0.0],
-        used=[s.used_pages for s in samples] + [stats.used_pages],
-        cached=[s.cached_pages for s in samples] + [stats.cached_pages],
-        free=[s.free_pages for s in samples] + [stats.free_pages],
-        evictions=evictions + [total],
-        hit_rate=hit_rate + [stats.hit_rate if stats.query_tokens else None],
+        ages=ages,
+        used=used,
+        cached=cached,
+        free=free,
+        evictions=evicted,
+        hit_rate=rates,
         step_hit_ages=[round(s.time - now, 3) for s in admitted],
         step_hit_rate=[s.hit_tokens / s.query_tokens for s in admitted],
     )
+
+
+def _points_to_draw(x: list[float], values: list[tuple], max_points: int = MAX_POINTS) -> list[int]:
+    """Indices of the points a step-shaped chart needs: the first, the last, and each one whose values differ from
+    the point before (a repeat adds nothing to an "hv" line). Past ``max_points``, the last point of each equal
+    slice of the x range is kept: a browser redraws thousands of points every second otherwise."""
+    keep = [i for i in range(len(x)) if i in (0, len(x) - 1) or values[i] != values[i - 1]]
+    if len(keep) <= max_points:
+        return keep
+    width = (x[-1] - x[0]) / max_points or 1.0
+    buckets: dict[int, int] = {}
+    for i in keep:
+        buckets[int((x[i] - x[0]) / width)] = i  # the bucket's last point wins
+    return sorted({keep[0], *buckets.values(), keep[-1]})
 
 
 @dataclass(frozen=True)

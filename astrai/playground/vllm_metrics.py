@@ -12,7 +12,8 @@ Series used (vLLM 0.32; the ``gpu_`` names are the older spellings of the same s
   ``vllm:gpu_prefix_cache_queries_total`` / ``..._hits_total``);
 - ``vllm:num_preemptions_total`` (counter);
 - ``vllm:num_requests_running`` / ``vllm:num_requests_waiting`` (gauges);
-- ``vllm:cache_config_info`` (an info gauge whose labels carry ``block_size`` and ``num_gpu_blocks``).
+- ``vllm:cache_config_info`` (an info gauge whose labels carry ``block_size``, ``num_gpu_blocks`` and
+  ``enable_prefix_caching``).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class RankMetrics:
     waiting: float | None = None
     num_blocks: int | None = None
     block_size: int | None = None
+    prefix_caching: bool | None = None
 
     @property
     def hit_rate(self) -> float | None:
@@ -71,6 +73,7 @@ class VllmMetrics:
     waiting: float | None = None
     num_blocks: int | None = None
     block_size: int | None = None
+    prefix_caching: bool | None = None  # every rank's ``enable_prefix_caching``; None when not reported
     ranks: Mapping[str, RankMetrics] = field(default_factory=lambda: MappingProxyType({}))
     model_names: frozenset[str] = frozenset()
 
@@ -109,6 +112,11 @@ def _int_label(labels: Mapping[str, str], name: str) -> int | None:
         return None
 
 
+def _bool_label(labels: Mapping[str, str], name: str) -> bool | None:
+    value = labels.get(name)
+    return {"True": True, "False": False}.get(value) if value is not None else None
+
+
 def _sum(values: Iterable[float | int | None]) -> float | None:
     present = [v for v in values if v is not None]
     return float(sum(present)) if present else None
@@ -120,7 +128,7 @@ def parse_metrics(text: str, model_name: str | None = None) -> VllmMetrics:
     priority = {sample: names.index(sample) for names in _SAMPLES.values() for sample in names}
     # rank -> field -> (priority, value)
     found: dict[str, dict[str, tuple[int, float]]] = {}
-    pools: dict[str, tuple[int | None, int | None]] = {}
+    pools: dict[str, tuple[int | None, int | None, bool | None]] = {}
     model_names: set[str] = set()
     try:
         for family in text_string_to_metric_families(text):
@@ -134,7 +142,11 @@ def parse_metrics(text: str, model_name: str | None = None) -> VllmMetrics:
                     model_names.add(labels["model_name"])
                 rank = labels.get("engine", _NO_RANK)
                 if sample.name == _CACHE_CONFIG:
-                    pools[rank] = (_int_label(labels, "num_gpu_blocks"), _int_label(labels, "block_size"))
+                    pools[rank] = (
+                        _int_label(labels, "num_gpu_blocks"),
+                        _int_label(labels, "block_size"),
+                        _bool_label(labels, "enable_prefix_caching"),
+                    )
                     found.setdefault(rank, {})
                     continue
                 fieldname = wanted.get(sample.name)
@@ -156,8 +168,10 @@ def parse_metrics(text: str, model_name: str | None = None) -> VllmMetrics:
     ranks: dict[str, RankMetrics] = {}
     for rank in sorted(found, key=_rank_key):
         values = {name: value for name, (_, value) in found[rank].items()}
-        num_blocks, block_size = pools.get(rank, (None, None))
-        ranks[rank] = RankMetrics(engine=rank, num_blocks=num_blocks, block_size=block_size, **values)
+        num_blocks, block_size, caching = pools.get(rank, (None, None, None))
+        ranks[rank] = RankMetrics(
+            engine=rank, num_blocks=num_blocks, block_size=block_size, prefix_caching=caching, **values
+        )
     return _totals(ranks, frozenset(model_names))
 
 
@@ -168,6 +182,7 @@ def _rank_key(rank: str) -> tuple[int, int | str]:
 def _totals(ranks: dict[str, RankMetrics], model_names: frozenset[str]) -> VllmMetrics:
     rows = list(ranks.values())
     block_sizes = {r.block_size for r in rows if r.block_size is not None}
+    caching = {r.prefix_caching for r in rows if r.prefix_caching is not None}
     return VllmMetrics(
         kv_cache_usage=_weighted_usage(rows),
         prefix_cache_queries=_sum(r.prefix_cache_queries for r in rows),
@@ -177,6 +192,7 @@ def _totals(ranks: dict[str, RankMetrics], model_names: frozenset[str]) -> VllmM
         waiting=_sum(r.waiting for r in rows),
         num_blocks=int(total) if (total := _sum(r.num_blocks for r in rows)) is not None else None,
         block_size=block_sizes.pop() if len(block_sizes) == 1 else None,
+        prefix_caching=caching.pop() if len(caching) == 1 else None,
         ranks=MappingProxyType(ranks),
         model_names=model_names,
     )

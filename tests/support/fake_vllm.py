@@ -1,0 +1,99 @@
+"""A stand-in for a vLLM OpenAI-compatible server, for the fault tests: ``python -m tests.support.fake_vllm --port P``.
+
+A real vLLM server takes about a minute to start on 2 cores, so the tests that kill a server mid-run and start it
+again use this one (stdlib only; it starts in well under a second). It serves what ``VllmBackend`` reads:
+``/health``, ``/v1/models`` (the embedded model's directory as ``root``, so the app loads the same tokenizer),
+``/metrics`` (a recorded payload of the real server, tests/data/vllm/metrics_before.txt) and streaming
+``/v1/completions`` as vLLM sends them (SSE ``data:`` lines, ``token_ids``, a final usage chunk, ``[DONE]``), one
+token every ``--delay`` seconds, so a test can kill it mid-stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL_DIR = ROOT / "assets" / "models" / "tinystories-llama"
+METRICS = ROOT / "tests" / "data" / "vllm" / "metrics_before.txt"
+MODEL = "tinystories-llama"  # the recorded metrics carry this model_name
+WORDS = ["Once", " upon", " a", " time", ",", " there", " was", " a", " little", " dog", "."]
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    delay = 0.05
+
+    def log_message(self, *args) -> None:  # quiet
+        pass
+
+    def _send(self, code: int, body: bytes, content_type: str = "application/json") -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        if self.path == "/health":
+            self._send(200, b"")
+        elif self.path == "/v1/models":
+            data = {"object": "list", "data": [{"id": MODEL, "root": str(MODEL_DIR), "max_model_len": 1024}]}
+            self._send(200, json.dumps(data).encode())
+        elif self.path == "/metrics":
+            self._send(200, METRICS.read_bytes(), "text/plain; version=0.0.4")
+        else:
+            self._send(404, b'{"error": "not found"}')
+
+    def do_POST(self) -> None:  # noqa: N802
+        length = int(self.headers.get("Content-Length", 0))
+        request = json.loads(self.rfile.read(length) or b"{}")
+        if self.path != "/v1/completions":
+            self._send(404, b'{"error": "not found"}')
+            return
+        if request.get("model") != MODEL:
+            self._send(404, json.dumps({"error": {"message": f"model {request.get('model')} not found"}}).encode())
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        n = int(request.get("max_tokens", 16))
+        try:
+            for i in range(n):
+                time.sleep(self.delay)
+                last = i == n - 1
+                choice = {"index": 0, "text": WORDS[i % len(WORDS)], "token_ids": [100 + i % 50]}
+                choice["finish_reason"] = "length" if last else None
+                self._event({"id": "cmpl-fake", "object": "text_completion", "model": MODEL, "choices": [choice]})
+            usage = {"prompt_tokens": 10, "completion_tokens": n, "total_tokens": 10 + n}
+            usage["prompt_tokens_details"] = {"cached_tokens": 0}
+            self._event({"id": "cmpl-fake", "object": "text_completion", "model": MODEL, "choices": [], "usage": usage})
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client closed the stream (Stop): vLLM aborts the request here
+        self.close_connection = True
+
+    def _event(self, data: dict) -> None:
+        self.wfile.write(b"data: " + json.dumps(data).encode() + b"\n\n")
+        self.wfile.flush()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--delay", type=float, default=0.05, help="seconds per streamed token")
+    args = parser.parse_args()
+    Handler.delay = args.delay
+    server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
+    server.daemon_threads = True
+    print(f"fake vLLM on http://127.0.0.1:{args.port}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
