@@ -145,6 +145,8 @@ def server_command(args: argparse.Namespace) -> list[str]:
         "--enable-prompt-tokens-details",
         "--max-model-len",
         str(args.max_model_len),
+        "--dtype",
+        args.dtype,
     ]
     if args.kv_events != "off":
         replay = None if args.kv_replay == "off" else args.kv_replay
@@ -308,6 +310,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     parser.add_argument("--block-size", type=int, default=32, help="a multiple of 32 on CPU")
     parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        help="weights and activations; vLLM's CPU backend would pick bfloat16 for 'auto', whose greedy text then "
+        "differs from astrai's float32 (default float32)",
+    )
     parser.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE, in whole GiB")
     parser.add_argument(
         "--num-gpu-blocks-override",

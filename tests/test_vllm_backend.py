@@ -272,6 +272,34 @@ def test_a_server_killed_mid_run_fails_each_panel_clearly_and_the_app_recovers()
             fake.wait(timeout=10)
 
 
+def test_stop_closes_every_stream_so_the_server_aborts_them():
+    """Stop, against a server slow enough to still be streaming (the real one finishes 256 tokens of the embedded
+    model faster than a click arrives): every stream is closed at once, so the server aborts each request."""
+    from gradio_client import Client
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    fake = start_fake(port, delay=0.05)  # 200 tokens: 10 s per stream
+    try:
+        with launch_app(log_path=ARTIFACTS / "app-fake-vllm-stop.log", args=["--vllm-url", url]) as app_url:
+            client = Client(app_url, verbose=False)
+            panels = ["One day, he found a", "One day, his cat", "One day, a big storm", "The dog ran to"]
+            job = client.submit(**loadtest.run_args(panels, 200), api_name="/run")
+            assert wait_until(lambda: bool(job.outputs()) and all(job.outputs()[-1][:4]), timeout=30)
+            job.cancel()
+
+            def counts() -> dict:
+                return httpx.get(url + "/fake/stats", timeout=2).json()
+
+            assert wait_until(lambda: counts()["aborted"] == 4 and counts()["active"] == 0, timeout=5), counts()
+            assert counts()["finished"] == 0
+            stats = client.predict(api_name="/cache_stats")
+            assert stats["cancelled"] == 4 and stats["finished"] == 0, stats
+    finally:
+        fake.kill()
+        fake.wait(timeout=10)
+
+
 def test_app_refuses_a_server_it_cannot_reach_with_a_clear_message():
     url = f"http://127.0.0.1:{free_port()}"
     result = subprocess.run(
@@ -435,18 +463,19 @@ def test_vllm_page_map_holds_the_stored_blocks(vclient, vllm_url):
 
 
 @pytest.mark.vllm
-def test_vllm_stop_aborts_every_request(vclient, vllm_url):
+def test_vllm_stop_leaves_no_running_request(vclient, vllm_url):
     aborted_before = aborted(vllm_url)
     # greedy, these run to 256 tokens without an end of story (checked on the embedded engine)
     loops = ["and then " * 15, "and then " * 18] * 2
     job = vclient.submit(**run_args(loops, 256) | {"shared_prefix": ""}, api_name="/run")
     assert wait_until(lambda: bool(job.outputs()) and all(job.outputs()[-1][:4]), timeout=60, interval=0.05)
-    assert server_metrics(vllm_url).running > 0, "the requests should still be running when Stop is pressed"
     job.cancel()
-    assert wait_until(lambda: aborted(vllm_url) >= aborted_before + 1, timeout=15, interval=0.2), (
-        "Stop must abort the requests on the server (closed streams), not let them run to their end"
-    )
-    assert wait_until(lambda: server_metrics(vllm_url).running == 0, timeout=10, interval=0.2)
+    # vLLM generates these 256 tokens faster than a Stop arrives, so an abort (vllm:request_success_total with
+    # finished_reason="abort") is seen only sometimes; that the streams are closed at once is checked against a
+    # slower fake server in test_stop_closes_every_stream_so_the_server_aborts_them.
+    assert wait_until(lambda: server_metrics(vllm_url).running == 0, timeout=5, interval=0.1)
+    assert server_metrics(vllm_url).waiting == 0
+    print(f"aborted by this Stop: {aborted(vllm_url) - aborted_before:.0f} of 4")
 
 
 def test_metrics_say_whether_prefix_caching_is_on():

@@ -51,7 +51,9 @@ def launch_app(
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {
-        **os.environ,
+        # the app's backend comes from ``args`` only: a test run's ASTRAI_VLLM_* (set by .ci/run for the vllm tests)
+        # must not turn the embedded-engine apps into vLLM ones
+        **{name: value for name, value in os.environ.items() if not name.startswith("ASTRAI_VLLM_")},
         "GRADIO_SERVER_NAME": "127.0.0.1",
         "GRADIO_SERVER_PORT": str(port),
         "GRADIO_ANALYTICS_ENABLED": "False",

@@ -13,6 +13,20 @@ from astrai.observation import CacheSnapshot, CacheStats, EngineEvent, RequestIn
 from astrai.sampling import SamplingParams
 
 
+def chat_messages(prefix: str, prompt: str) -> list[dict[str, str]]:
+    """The one rule for instruct models, whatever serves them: the shared prefix is the system turn."""
+    messages = [{"role": "system", "content": prefix}] if prefix.strip() else []
+    return [*messages, {"role": "user", "content": prompt}]
+
+
+def format_prompt(tokenizer, prefix: str, prompt: str) -> str:
+    """The text that reaches the model: the chat template when the tokenizer has one, else ``prefix + prompt``
+    (so the same prompt text reaches the local engine and a vLLM server)."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(chat_messages(prefix, prompt), tokenize=False, add_generation_prompt=True)
+    return prefix + prompt
+
+
 class BackendError(RuntimeError):
     """Base of the errors a run can end with; the message is meant for the visitor."""
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from astrai import SUPPORTED_DTYPES, EngineClosedError, InferenceEngine, RequestFailedError, SamplingParams
 from astrai.observation import CacheSnapshot, CacheStats, EngineEvent, RequestInfo, StepSample
-from astrai.playground.backend import BackendUnavailable, RunFailed
+from astrai.playground.backend import BackendUnavailable, RunFailed, format_prompt
 from astrai.streams import GenerationStream
 
 EMBEDDED_MODEL = os.environ.get(
@@ -124,13 +124,7 @@ class LocalBackend:
             return self._generation
 
     def format_prompt(self, prefix: str, prompt: str) -> str:
-        """Instruct models get their chat template (the shared prefix as the system turn); base models plain text."""
-        tokenizer = self._current().tokenizer
-        if getattr(tokenizer, "chat_template", None):
-            messages = [{"role": "system", "content": prefix}] if prefix.strip() else []
-            messages.append({"role": "user", "content": prompt})
-            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return prefix + prompt
+        return format_prompt(self._current().tokenizer, prefix, prompt)
 
     def submit(
         self, prompts: list[str], params: SamplingParams, salt: str | None, share_cache: bool = True

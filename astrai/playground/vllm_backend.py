@@ -54,7 +54,7 @@ from astrai.observation import (
     RequestInfo,
     StepSample,
 )
-from astrai.playground.backend import BackendUnavailable, RunFailed
+from astrai.playground.backend import BackendUnavailable, RunFailed, chat_messages, format_prompt
 from astrai.playground.vllm_events import BlockHash, KvEventSubscriber, TrackerSnapshot
 from astrai.playground.vllm_metrics import MetricsParseError, VllmMetrics, parse_metrics
 from astrai.sampling import SamplingParams
@@ -332,13 +332,9 @@ class VllmBackend:
     def format_prompt(self, prefix: str, prompt: str) -> str:
         """The same rule as ``LocalBackend``: a chat template when the model has one (the shared prefix as the
         system turn), else ``prefix + prompt``."""
-        messages = [{"role": "system", "content": prefix}] if prefix.strip() else []
-        messages.append({"role": "user", "content": prompt})
-        tokenizer = self._tokenizer
-        if tokenizer is not None:
-            if getattr(tokenizer, "chat_template", None):
-                return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return prefix + prompt
+        if self._tokenizer is not None:
+            return format_prompt(self._tokenizer, prefix, prompt)
+        messages = chat_messages(prefix, prompt)
         cached = self._chat.get((prefix, prompt))
         if cached is not None:
             return cached

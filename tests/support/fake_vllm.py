@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -26,6 +27,8 @@ WORDS = ["Once", " upon", " a", " time", ",", " there", " was", " a", " little",
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     delay = 0.05
+    counts = {"active": 0, "finished": 0, "aborted": 0}  # GET /fake/stats: what happened to the streams
+    lock = threading.Lock()
 
     def log_message(self, *args) -> None:  # quiet
         pass
@@ -43,6 +46,9 @@ class Handler(BaseHTTPRequestHandler):
         elif self.path == "/v1/models":
             data = {"object": "list", "data": [{"id": MODEL, "root": str(MODEL_DIR), "max_model_len": 1024}]}
             self._send(200, json.dumps(data).encode())
+        elif self.path == "/fake/stats":
+            with self.lock:
+                self._send(200, json.dumps(self.counts).encode())
         elif self.path == "/metrics":
             self._send(200, METRICS.read_bytes(), "text/plain; version=0.0.4")
         else:
@@ -62,6 +68,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Connection", "close")
         self.end_headers()
         n = int(request.get("max_tokens", 16))
+        self._count("active", 1)
+        outcome = "aborted"
         try:
             for i in range(n):
                 time.sleep(self.delay)
@@ -74,9 +82,17 @@ class Handler(BaseHTTPRequestHandler):
             self._event({"id": "cmpl-fake", "object": "text_completion", "model": MODEL, "choices": [], "usage": usage})
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
+            outcome = "finished"
         except (BrokenPipeError, ConnectionResetError):
             pass  # the client closed the stream (Stop): vLLM aborts the request here
+        finally:
+            self._count("active", -1)
+            self._count(outcome, 1)
         self.close_connection = True
+
+    def _count(self, name: str, delta: int) -> None:
+        with self.lock:
+            self.counts[name] += delta
 
     def _event(self, data: dict) -> None:
         self.wfile.write(b"data: " + json.dumps(data).encode() + b"\n\n")
