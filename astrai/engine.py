@@ -280,11 +280,14 @@ class InferenceEngine:
         """Records of these pages. A page still being filled is not indexed yet: its tokens come from its owner."""
         pool, size = self.pool, self.pool.page_size
         pages = list(pages)
+        wanted = set(pages)  # the per-step history asks for a few pages: owners only for those
         ranks = pool.lru_rank() if any(page in pool.lru for page in pages) else {}
         owners: dict[int, list[int]] = {}
         seen: dict[int, tuple[Request, int]] = {}
         for req in self.scheduler.running:
             for i, page in enumerate(req.pages):
+                if page not in wanted:
+                    continue
                 owners.setdefault(page, []).append(req.id)
                 seen.setdefault(page, (req, i))
         records = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from astrai.observation import CacheStats, PageRecord, RequestInfo, StepSample
-from astrai.playground import views
+from astrai.playground import tree, views
 from astrai.playground.views import Owner
 
 ME, THEM = "session-me", "session-them"
@@ -140,3 +140,26 @@ def test_long_histories_are_thinned_for_the_browser_but_keep_their_ends():
     assert len(data.ages) <= views.MAX_POINTS + 2
     assert data.ages[0] == round(history[0].time - 1041.0, 3) and data.ages[-1] == 0.0
     assert data.evictions[-1] == sum(s.evictions for s in history) and data.hit_rate[-1] == 0.5
+
+
+def chain(n: int, branch_at: int | None = None) -> list[PageRecord]:
+    """n cached pages in one chain (keys k0, k1, ...), plus a second child under page ``branch_at``."""
+    records = [
+        dataclasses.replace(
+            record(i, "cached", stored_by=2), key=b"k%d" % i, parent_key=b"k%d" % (i - 1) if i else None
+        )
+        for i in range(n)
+    ]
+    if branch_at is not None:
+        extra = record(n, "cached", stored_by=2)
+        records.append(dataclasses.replace(extra, key=b"b", parent_key=b"k%d" % branch_at))
+    return records
+
+
+def test_the_prefix_tree_keeps_every_page_as_a_node_when_small_and_collapses_chains_when_large():
+    small = tree.prefix_tree(chain(5, branch_at=2), [], OWNERS, ME, decode)
+    assert small.pages == len(small.nodes) == 6 and small.cached == 6
+    assert {n.parent for n in small.nodes if n.id == b"b".hex()} == {b"k2".hex()}
+    large = tree.prefix_tree(chain(200, branch_at=99), [], OWNERS, ME, decode)
+    assert large.pages == 201 and sum(len(n.pages) for n in large.nodes) == 201
+    assert len(large.nodes) == 3  # pages 0-99, the branch, and pages 100-199: split where the chain branches

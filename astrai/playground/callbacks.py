@@ -209,7 +209,7 @@ class Playground:
             raise gr.Error(str(exc)) from None
         self.service.register(run.request_ids, session)
         visitor.recording = replay.Recording(base, (), tuple(run.request_ids))
-        visitor.prompts, visitor.following, visitor.play = prompts, True, None
+        visitor.following, visitor.play = True, None
         answers = [""] * n
         decode, special = backend.decode, backend.special_ids()
         # Every yield carries a value for every output: an output left out becomes gr.skip(), which makes Gradio

@@ -20,7 +20,7 @@ EVICTED_COLOR = "#ef4444"
 # ~40 ms a figure, most of a refresh.
 GRID = dict(gridcolor="#e5e7eb", zerolinecolor="#d1d5db")
 PLAIN = dict(paper_bgcolor="white", plot_bgcolor="white", font=dict(color="#374151"))
-STATE_COLORS = {"in use": "#f59e0b", "cached (evictable)": "#60a5fa", "free": "#d1d5db"}
+STATE_COLORS = {"in use": "#f59e0b", "cached (evictable)": "#60a5fa"}
 
 
 def _layout(fig: go.Figure, title: str, y_title: str, data: Series, height: int = 230) -> go.Figure:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from astrai.playground.backend import Backend
 from astrai.playground.replay import Recording
@@ -23,7 +23,6 @@ class Visitor:
     """One session's view state. Written by that session's callbacks only; each field is replaced whole."""
 
     recording: Recording | None = None
-    prompts: list[str] = field(default_factory=list)
     following: bool = True  # live: the replay slider and the charts follow the latest step
     streaming: bool = False  # a run of this visitor is streaming text (the charts then redraw less often)
     play: tuple[float, float, int] | None = None  # (speed, wall clock at start, index at start) while playing
