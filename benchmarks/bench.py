@@ -10,8 +10,14 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
+import json
+import os
 import random
 import statistics
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -37,7 +43,9 @@ from transformers import (
 from astrai import InferenceEngine
 
 DEFAULT_ENGINE = "astrai, prefix caching on"
-EMBEDDED = Path(__file__).resolve().parents[1] / "assets" / "models" / "tinystories-llama"
+REPO = Path(__file__).resolve().parents[1]
+EMBEDDED = REPO / "assets" / "models" / "tinystories-llama"
+VLLM_METHOD = "vLLM CPU"
 
 
 @dataclass
@@ -55,7 +63,7 @@ class Result:
     ttft: float
     prompt_computed: int
     decode_ms: float | None
-    peak_rss_mb: float
+    peak_rss_mb: float | None
     outputs: list[list[int]]
 
     @property
@@ -227,6 +235,78 @@ def run_hf_continuous(manager, work: Workload) -> Result:
     )
 
 
+class VllmWorker:
+    """vLLM CPU, loaded once in its own venv (``benchmarks/vllm_worker.py``), run one workload at a time.
+
+    The venv is ``scripts/serve_vllm.py``'s (made on first use, 2-3 minutes). The checkpoint is saved to a temporary
+    folder first, so vLLM loads exactly the weights the other methods run.
+    """
+
+    def __init__(self, model: PreTrainedModel, dtype: str, venv: Path):
+        launcher = _launcher()
+        launcher.ensure_venv(venv)
+        self._folder = tempfile.TemporaryDirectory(prefix="astrai-bench-")
+        model.save_pretrained(self._folder.name, safe_serialization=True)
+        self.name = VLLM_METHOD if dtype == "float32" else f"{VLLM_METHOD} {dtype}"
+        self._process = subprocess.Popen(
+            [
+                str(launcher.venv_python(venv)),
+                str(REPO / "benchmarks" / "vllm_worker.py"),
+                "--model",
+                self._folder.name,
+                "--dtype",
+                dtype,
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        if not self._answer().get("ready"):
+            raise RuntimeError("the vLLM worker did not start")
+
+    def _answer(self) -> dict:
+        line = self._process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the vLLM worker exited (code {self._process.wait()}); its log is above")
+        return json.loads(line)
+
+    def run(self, work: Workload, eos: int) -> Result:
+        job = {"prompts": work.prompts, "new_tokens": work.new_tokens, "eos": eos}
+        self._process.stdin.write(json.dumps(job) + "\n")
+        self._process.stdin.flush()
+        out = self._answer()
+        return Result(
+            method=self.name,
+            wall=out["wall"],
+            generated=out["generated"],
+            ttft=statistics.median(out["ttfts"]),
+            prompt_computed=out["prompt_computed"],
+            decode_ms=out["decode_ms"],
+            peak_rss_mb=None,  # another process tree, not comparable with the in-process methods
+            outputs=out["outputs"],
+        )
+
+    def close(self) -> None:
+        self._process.stdin.close()
+        try:
+            self._process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+        self._folder.cleanup()
+
+
+def _launcher():  # noqa: ANN202 - a module
+    """``scripts/serve_vllm.py``, which owns the vLLM venv (a script, not a package: loaded by path)."""
+    path = REPO / "scripts" / "serve_vllm.py"
+    if path.stem in sys.modules:
+        return sys.modules[path.stem]
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def _until_eos(ids: list[int], eos: int) -> list[int]:
     return ids[: ids.index(eos) + 1] if eos in ids else ids
 
@@ -255,11 +335,20 @@ class Block:
     floor_ms: float
     results: list[Result]
 
-    def ratios(self, r: Result) -> tuple[float, float]:
-        """(vs transformers generate, vs the best transformers method), both within this block."""
+    def ratios(self, r: Result) -> tuple[float, float, float | None]:
+        """(vs transformers generate, vs the best transformers method, vs vLLM in the same dtype), within this block."""
         best = max(x.tok_s for x in self.results if x.method.startswith("transformers"))
         generate = next(x.tok_s for x in self.results if x.method == "transformers generate")
-        return r.tok_s / generate, r.tok_s / best
+        vllm = [x.tok_s for x in self.results if x.method.startswith(VLLM_METHOD) and _dtype(x) == _dtype(r)]
+        return r.tok_s / generate, r.tok_s / best, (r.tok_s / vllm[0] if vllm else None)
+
+
+def _dtype(r: Result) -> str:
+    return "bfloat16" if "bfloat16" in r.method else "float32"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def table(title: str, blocks: list[Block], reference: dict[str, list[list[int]]]) -> str:
@@ -267,24 +356,25 @@ def table(title: str, blocks: list[Block], reference: dict[str, list[list[int]]]
         f"### {title}",
         "",
         "| workload | method | wall s | tok/s | TTFT s | prompt tokens computed | decode step ms | floor ms | "
-        "step / floor | peak RSS MB | vs generate | vs best transformers | greedy = generate |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "step / floor | peak RSS MB | vs generate | vs best transformers | vs vLLM | greedy = generate |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for block in sorted(blocks, key=lambda b: list(reference).index(b.workload)):
         for r in block.results:
             same = sum(a == b for a, b in zip(r.outputs, reference[block.workload], strict=True))
             decode = f"{r.decode_ms:.1f}" if r.decode_ms else "-"
             ratio = f"{r.decode_ms / block.floor_ms:.2f}" if r.decode_ms else "-"
-            vs_generate, vs_best = block.ratios(r)
+            vs_generate, vs_best, vs_vllm = block.ratios(r)
+            rss = "-" if r.peak_rss_mb is None else f"{r.peak_rss_mb:.0f}"
             lines.append(
                 f"| {block.workload} | {r.method} | {r.wall:.2f} | {r.tok_s:.1f} | {r.ttft:.2f} | "
-                f"{r.prompt_computed} | {decode} | {block.floor_ms:.1f} | {ratio} | {r.peak_rss_mb:.0f} | "
-                f"{vs_generate:.2f}x | {vs_best:.2f}x | {same}/{len(r.outputs)} |"
+                f"{r.prompt_computed} | {decode} | {block.floor_ms:.1f} | {ratio} | {rss} | "
+                f"{vs_generate:.2f}x | {vs_best:.2f}x | {_ratio(vs_vllm)} | {same}/{len(r.outputs)} |"
             )
     return "\n".join(lines)
 
 
-def bench_model(title: str, load: Callable, names: list[str], rounds: int, bf16: bool) -> str:
+def bench_model(title: str, load: Callable, names: list[str], rounds: int, bf16: bool, vllm_venv: Path | None) -> str:
     base, tokenizer = load()
     eos = tokenizer.eos_token_id
     vocab = base.config.vocab_size
@@ -303,6 +393,9 @@ def bench_model(title: str, load: Callable, names: list[str], rounds: int, bf16:
         continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=256, num_blocks=64, page_size=256),
     )
     manager.start()
+    workers = []
+    if vllm_venv is not None:
+        workers = [VllmWorker(base, dtype, vllm_venv) for dtype in ["float32"] + ["bfloat16"] * bf16]
     blocks: list[Block] = []
     reference: dict[str, list[list[int]]] = {}
     try:
@@ -313,46 +406,56 @@ def bench_model(title: str, load: Callable, names: list[str], rounds: int, bf16:
                 reference[work.name] = hf.outputs
                 results = [hf, run_hf_continuous(manager, work)]
                 results += [run_engine(engine, work, name) for name, engine in engines.items()]
+                results += [worker.run(work, eos) for worker in workers]
                 blocks.append(Block(work.name, floor, results))
                 print("\n".join(table(title, blocks[-1:], reference).splitlines()[-len(results) :]), flush=True)
     finally:
         manager.stop(block=True, timeout=30)
+        for worker in workers:
+            worker.close()
         for engine in engines.values():
             engine.shutdown()
-    return table(title, blocks, reference) + "\n\nMedians over rounds:\n\n" + summary(blocks)
+    return table(title, blocks, reference) + "\n\nMin / median / max over rounds:\n\n" + summary(blocks)
 
 
 def summary(blocks: list[Block]) -> str:
-    """Medians over rounds; each ratio is taken within its own block.
+    """Min / median / max over rounds; each ratio is taken within its own block (one workload, one round).
 
     "decode speed vs engine" compares a method's decode step with the default engine's (float32, packed weights,
     caching on) in the same block: it is how the bfloat16 and plain-weight rows are judged.
     """
-    ratios: dict[tuple[str, str], list[tuple[float, float, float | None, float, float | None]]] = {}
+    rows: dict[tuple[str, str], list[tuple[Result, tuple[float, float, float | None], float | None]]] = {}
     for block in blocks:
         engine_ms = next(r.decode_ms for r in block.results if r.method == DEFAULT_ENGINE)
         for r in block.results:
-            vs_generate, vs_best = block.ratios(r)
             speed = engine_ms / r.decode_ms if engine_ms and r.decode_ms else None
-            ratios.setdefault((block.workload, r.method), []).append(
-                (vs_best, vs_generate, r.decode_ms, block.floor_ms, speed)
-            )
+            rows.setdefault((block.workload, r.method), []).append((r, block.ratios(r), speed))
     lines = [
-        "| workload | method | rounds | median vs best transformers | median vs generate | median decode ms | "
-        "median step / floor | median decode speed vs engine |",
-        "|---|---|---|---|---|---|---|---|",
+        "| workload | method | rounds | tok/s | TTFT s | vs vLLM (same dtype) | vs best transformers | "
+        "median decode ms | median decode speed vs engine |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for (workload, method), values in ratios.items():
-        steps = [v[2] / v[3] for v in values if v[2]]
-        decode = [v[2] for v in values if v[2]]
-        speeds = [v[4] for v in values if v[4]]
+    for (workload, method), values in rows.items():
+        decode = [r.decode_ms for r, _, _ in values if r.decode_ms]
+        speeds = [s for _, _, s in values if s]
+        vs_vllm = [ratios[2] for _, ratios, _ in values if ratios[2] is not None]
         lines.append(
-            f"| {workload} | {method} | {len(values)} | {statistics.median(v[0] for v in values):.2f}x | "
-            f"{statistics.median(v[1] for v in values):.2f}x | "
-            + (f"{statistics.median(decode):.1f} | {statistics.median(steps):.2f} | " if decode else "- | - | ")
+            f"| {workload} | {method} | {len(values)} | {_spread([r.tok_s for r, _, _ in values], '.1f')} | "
+            f"{_spread([r.ttft for r, _, _ in values], '.2f')} | {_spread(vs_vllm, '.2f', 'x')} | "
+            f"{_spread([ratios[1] for _, ratios, _ in values], '.2f', 'x')} | "
+            + (f"{statistics.median(decode):.1f} | " if decode else "- | ")
             + (f"{statistics.median(speeds):.2f}x |" if speeds else "- |")
         )
     return "\n".join(lines)
+
+
+def _spread(values: list[float], fmt: str, unit: str = "") -> str:
+    """min / median / max, or the one value."""
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:{fmt}}{unit}"
+    return " / ".join(f"{v:{fmt}}{unit}" for v in (min(values), statistics.median(values), max(values)))
 
 
 def main() -> None:
@@ -362,6 +465,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--bf16", action="store_true", help="also run the engine in bfloat16")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument(
+        "--vllm",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="add vLLM CPU rows (its venv is made on first use, like scripts/serve_vllm.py's)",
+    )
+    parser.add_argument("--vllm-venv", type=Path, help="default: $ASTRAI_VLLM_VENV, else scripts/serve_vllm.py's")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     loaders = {
@@ -372,7 +482,10 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.threads} threads, float32 unless marked\n")
     for key in args.models.split(","):
         title, load = loaders[key]
-        print(bench_model(title, load, names, args.rounds, args.bf16), "\n", flush=True)
+        venv = None
+        if args.vllm:
+            venv = args.vllm_venv or Path(os.environ.get("ASTRAI_VLLM_VENV", _launcher().DEFAULT_VENV))
+        print(bench_model(title, load, names, args.rounds, args.bf16, venv), "\n", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,100 @@
+"""The vLLM row of the benchmark: runs inside vLLM's own virtualenv, driven by ``benchmarks/bench.py``.
+
+vLLM pins an older transformers than the engine, so it cannot share the benchmark's process. This worker loads
+one checkpoint once (a vLLM start costs about a minute), then answers one JSON line per workload on stdin with one
+JSON line on stdout, so the benchmark can interleave vLLM with the other methods round after round:
+
+    in:  {"prompts": [[token ids], ...], "new_tokens": 64, "eos": 0}
+    out: {"wall": s, "ttfts": [s per request], "decode_ms": ms | null, "prompt_computed": n,
+          "generated": n, "outputs": [[token ids], ...]}
+
+Every run starts with a cold prefix cache (``reset_prefix_cache``), as the engine's runs do. Prompts go in as token
+ids (no tokenizer is loaded) and decoding is greedy, stopping at ``eos`` as ``generate`` does. TTFT is each request's
+first token as seen by this client; the decode step is the median time between two consecutive engine steps in
+which every request received a token. Everything else is vLLM's defaults for the CPU, with prefix caching on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", required=True, help="a local checkpoint folder (safetensors)")
+    parser.add_argument("--dtype", default="float32")
+    args = parser.parse_args()
+    # vLLM logs to stdout, and so do the engine processes it starts: keep stdout for the JSON answers alone
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: W1 and W2 need a few MB; the default takes more
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK"):
+        os.environ.setdefault(name, "1")
+
+    from vllm import LLM, SamplingParams  # noqa: PLC0415 - only importable inside vLLM's venv
+    from vllm.inputs import TokensPrompt  # noqa: PLC0415
+
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        skip_tokenizer_init=True,
+        enable_prefix_caching=True,
+        seed=0,
+    )
+    engine = llm.llm_engine
+    print(json.dumps({"ready": True}), file=answers, flush=True)
+    for line in sys.stdin:
+        job = json.loads(line)
+        print(json.dumps(run(engine, job, SamplingParams, TokensPrompt)), file=answers, flush=True)
+
+
+def run(engine, job: dict, sampling_params, tokens_prompt) -> dict:  # noqa: ANN001 - vLLM's types, see main
+    engine.reset_prefix_cache()
+    params = sampling_params(
+        max_tokens=job["new_tokens"], temperature=0.0, stop_token_ids=[job["eos"]], detokenize=False
+    )
+    count = len(job["prompts"])
+    started = time.perf_counter()
+    for i, prompt in enumerate(job["prompts"]):
+        engine.add_request(str(i), tokens_prompt(prompt_token_ids=prompt), params)
+    first: dict[int, float] = {}
+    tokens: dict[int, list[int]] = {}
+    cached: dict[int, int] = {}
+    last_full_step: float | None = None
+    gaps: list[float] = []
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        grew = 0
+        for out in outputs:
+            i = int(out.request_id)
+            ids = list(out.outputs[0].token_ids)
+            if ids and i not in first:
+                first[i] = now - started
+            grew += len(ids) > len(tokens.get(i, []))
+            tokens[i] = ids
+            cached[i] = out.num_cached_tokens or 0
+        if grew == count:  # every request got a token in this step: a full decode step (or the first)
+            if last_full_step is not None:
+                gaps.append(now - last_full_step)
+            last_full_step = now
+        elif grew:
+            last_full_step = None
+    wall = time.perf_counter() - started
+    return {
+        "wall": wall,
+        "ttfts": [first[i] for i in range(count)],
+        "decode_ms": statistics.median(gaps) * 1000 if gaps else None,
+        "prompt_computed": sum(len(p) - cached.get(i, 0) for i, p in enumerate(job["prompts"])),
+        "generated": sum(len(tokens[i]) for i in range(count)),
+        "outputs": [tokens[i] for i in range(count)],
+    }
+
+
+if __name__ == "__main__":
+    main()
