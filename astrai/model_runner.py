@@ -12,7 +12,7 @@ import logging
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
-from astrai.attention import ATTN_IMPLEMENTATION, build_paged_batch
+from astrai.attention import ATTN_IMPLEMENTATION, build_paged_batch, serving
 from astrai.packed_linear import pack_linears, packing_supported, unpack_linears
 from astrai.request import Request
 
@@ -59,7 +59,13 @@ def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:
 
 class ModelRunner:
     def __init__(
-        self, model: PreTrainedModel, n_pages: int, page_size: int, dtype: torch.dtype, packed_weights: bool = True
+        self,
+        model: PreTrainedModel,
+        n_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        packed_weights: bool = True,
+        compile: bool = False,
     ):
         config = model.config
         check_supported(config)
@@ -82,7 +88,12 @@ class ModelRunner:
         model.eval()
         self.previous_attn = config._attn_implementation
         self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        self.packed_linears = self._pack() if packed_weights and packing_supported(dtype) else 0
+        pack = packed_weights and not compile and packing_supported(dtype)
+        self.packed_linears = self._pack() if pack else 0
+        self.compiled = compile
+        self.forward = (
+            torch.compile(model.forward, dynamic=True, options={"freezing": True}) if compile else model.forward
+        )
 
     def _pack(self) -> int:
         """Packing is only a speed-up: where oneDNN refuses a weight, the model keeps its own layers."""
@@ -120,11 +131,13 @@ class ModelRunner:
             self.page_size,
             self.groups,
         )
-        out = self.model(
-            input_ids=torch.tensor([input_ids]),
-            position_ids=torch.tensor([positions]),
-            use_cache=False,
-            logits_to_keep=torch.tensor(sample_rows, dtype=torch.long),
-            paged_batch=batch,
-        )
+        tokens, positions_t = torch.tensor([input_ids]), torch.tensor([positions])
+        rows = torch.tensor(sample_rows, dtype=torch.long)
+        if self.compiled:
+            # unbacked: a step of one token (or one sampled row) must not get a graph of its own, as a size of 1
+            # otherwise would; one graph then serves every step
+            for tensor, dim in ((tokens, 1), (positions_t, 1), (rows, 0)):
+                torch._dynamo.decorators.mark_unbacked(tensor, dim)
+        with serving(batch):
+            out = self.forward(input_ids=tokens, position_ids=positions_t, use_cache=False, logits_to_keep=rows)
         return out.logits[0]

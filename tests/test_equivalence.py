@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from astrai import InferenceEngine
 from tests.support.tiny_models import FAMILIES, make_model, make_tokenizer, reference_generate
@@ -89,3 +90,22 @@ def test_bfloat16_runs_and_mostly_agrees(family):
         assert engine.cache_stats().used_pages == 0
     model.float()
     assert sum(a[0] == b[0] for a, b in zip(ids, refs, strict=True)) >= len(PROMPTS) // 2
+
+
+def test_compiled_equals_transformers(family):
+    """``compile=True``: one graph per model, whatever the token count, with the same greedy output.
+
+    The pool is tight, so the compiled forward also runs the steps that evict and preempt.
+    """
+    model, tokenizer, refs, pages_per_request = family
+    torch._dynamo.utils.counters.clear()
+    with InferenceEngine(
+        model, tokenizer, page_size=PAGE, n_pages=pages_per_request + 2, max_batch_size=6, compile=True
+    ) as engine:
+        for _ in range(2):
+            _, ids = run_batch(engine, PROMPTS)
+            assert ids == refs
+        assert engine.cache_stats().preemptions > 0
+    counters = torch._dynamo.utils.counters
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # one graph, not one per shape
+    assert not counters["graph_break"], dict(counters["graph_break"])

@@ -1,0 +1,90 @@
+"""One decode step, A against B: ``python -m benchmarks.decode_step [--dtype bfloat16] [--batch 8] [--context 300]``.
+
+The model runner alone (no scheduler, sampler or streams), on the SmolLM2-135M-shaped model, in variants that each
+hold their own copy of the weights: eager with packed weights (the default), and ``torch.compile``d. Every variant
+first computes the same prompts, then the variants take turns computing one decode step for the whole batch,
+step after step, so a drift of the machine hits all of them alike. Each round reports every variant's median step
+and its ratio to the first variant, taken pair by pair within the round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+
+from astrai.model_runner import SUPPORTED_DTYPES, ModelRunner
+from astrai.request import Request
+from astrai.sampling import SamplingParams
+from benchmarks.bench import smollm_shaped
+
+VARIANTS = {"eager, packed weights": dict(packed_weights=True), "compiled": dict(compile=True)}
+
+
+def decode_batch(runner: ModelRunner, batch: int, context: int, vocab: int) -> list[tuple[Request, int]]:
+    """``batch`` requests whose first ``context`` tokens are computed; the step computes token ``context + 1``."""
+    gen = torch.Generator().manual_seed(0)
+    pages_each = (context + 1 + runner.page_size - 1) // runner.page_size
+    requests = []
+    for i in range(batch):
+        ids = torch.randint(1, vocab, (context + 1,), generator=gen).tolist()
+        req = Request(prompt_ids=ids, params=SamplingParams())
+        req.pages = list(range(i * pages_each, (i + 1) * pages_each))
+        runner.step([(req, context)])
+        req.num_computed = context
+        requests.append(req)
+    return [(req, 1) for req in requests]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--dtype", default="float32", choices=sorted(SUPPORTED_DTYPES))
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--context", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20, help="steps per variant per round")
+    args = parser.parse_args()
+    model, _ = smollm_shaped()
+    vocab = model.config.vocab_size
+    n_pages = args.batch * (args.context // 16 + 2)
+    runners, work = {}, {}
+    for name, options in VARIANTS.items():
+        started = time.perf_counter()
+        runner = ModelRunner(copy.deepcopy(model), n_pages, 16, SUPPORTED_DTYPES[args.dtype], **options)
+        work[name] = decode_batch(runner, args.batch, args.context, vocab)
+        runner.step(work[name])  # a compiled runner compiles here, if the prefill did not already
+        runners[name] = runner
+        print(f"{name}: ready in {time.perf_counter() - started:.1f} s (load, prefill, first decode)", flush=True)
+    first = next(iter(runners))
+    print(
+        f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, batch {args.batch}, "
+        f"context {args.context}\n\n| round | "
+        + " | ".join(f"{n} ms" for n in runners)
+        + " | "
+        + " | ".join(f"{first} / {n}" for n in list(runners)[1:])
+        + " |"
+    )
+    print("|---" * (2 * len(runners)) + "|")
+    for r in range(args.rounds):
+        times: dict[str, list[float]] = {name: [] for name in runners}
+        for _ in range(args.steps):
+            for name, runner in runners.items():
+                started = time.perf_counter()
+                runner.step(work[name])
+                times[name].append((time.perf_counter() - started) * 1000)
+        ratios = [statistics.median(a / b for a, b in zip(times[first], times[n], strict=True)) for n in runners]
+        print(
+            f"| {r + 1} | "
+            + " | ".join(f"{statistics.median(t):.1f}" for t in times.values())
+            + " | "
+            + " | ".join(f"{x:.2f}x" for x in ratios[1:])
+            + " |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
