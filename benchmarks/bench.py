@@ -335,12 +335,16 @@ class Block:
     floor_ms: float
     results: list[Result]
 
-    def ratios(self, r: Result) -> tuple[float, float, float | None]:
+    def ratios(self, r: Result) -> tuple[float | None, float | None, float | None]:
         """(vs transformers generate, vs the best transformers method, vs vLLM in the same dtype), within this block."""
-        best = max(x.tok_s for x in self.results if x.method.startswith("transformers"))
-        generate = next(x.tok_s for x in self.results if x.method == "transformers generate")
+        transformers = [x.tok_s for x in self.results if x.method.startswith("transformers")]
+        generate = [x.tok_s for x in self.results if x.method == "transformers generate"]
         vllm = [x.tok_s for x in self.results if x.method.startswith(VLLM_METHOD) and _dtype(x) == _dtype(r)]
-        return r.tok_s / generate, r.tok_s / best, (r.tok_s / vllm[0] if vllm else None)
+        return (
+            r.tok_s / generate[0] if generate else None,
+            r.tok_s / max(transformers) if transformers else None,
+            r.tok_s / vllm[0] if vllm else None,
+        )
 
 
 def _dtype(r: Result) -> str:
@@ -356,7 +360,7 @@ def table(title: str, blocks: list[Block], reference: dict[str, list[list[int]]]
         f"### {title}",
         "",
         "| workload | method | wall s | tok/s | TTFT s | prompt tokens computed | decode step ms | floor ms | "
-        "step / floor | peak RSS MB | vs generate | vs best transformers | vs vLLM | greedy = generate |",
+        "step / floor | peak RSS MB | vs generate | vs best transformers | vs vLLM | greedy = reference |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for block in sorted(blocks, key=lambda b: list(reference).index(b.workload)):
@@ -369,12 +373,17 @@ def table(title: str, blocks: list[Block], reference: dict[str, list[list[int]]]
             lines.append(
                 f"| {block.workload} | {r.method} | {r.wall:.2f} | {r.tok_s:.1f} | {r.ttft:.2f} | "
                 f"{r.prompt_computed} | {decode} | {block.floor_ms:.1f} | {ratio} | {rss} | "
-                f"{vs_generate:.2f}x | {vs_best:.2f}x | {_ratio(vs_vllm)} | {same}/{len(r.outputs)} |"
+                f"{_ratio(vs_generate)} | {_ratio(vs_best)} | {_ratio(vs_vllm)} | {same}/{len(r.outputs)} |"
             )
     return "\n".join(lines)
 
 
-def bench_model(title: str, load: Callable, names: list[str], rounds: int, bf16: bool, vllm_venv: Path | None) -> str:
+def bench_model(
+    title: str, load: Callable, names: list[str], rounds: int, bf16: bool, vllm_venv: Path | None, versus_vllm: bool
+) -> str:
+    """Every method on every workload, round after round. ``versus_vllm`` keeps only the default engine and vLLM
+    (each in bfloat16 too with ``bf16``); the reference outputs are then the engine's own, which the equivalence
+    tests tie to ``generate``'s."""
     base, tokenizer = load()
     eos = tokenizer.eos_token_id
     vocab = base.config.vocab_size
@@ -385,14 +394,18 @@ def bench_model(title: str, load: Callable, names: list[str], rounds: int, bf16:
         "astrai, prefix caching off": dict(prefix_caching=False),
         "astrai, caching on, plain weights": dict(prefix_caching=True, packed_weights=False),
     }
+    if versus_vllm:
+        variants = {DEFAULT_ENGINE: variants[DEFAULT_ENGINE]}
     if bf16:
         variants["astrai bfloat16, prefix caching on"] = dict(prefix_caching=True, dtype="bfloat16")
     engines = {name: InferenceEngine(copy.deepcopy(base), tokenizer, **v, **options) for name, v in variants.items()}
-    manager = copy.deepcopy(base).init_continuous_batching(
-        generation_config=GenerationConfig(do_sample=False, eos_token_id=eos, pad_token_id=eos),
-        continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=256, num_blocks=64, page_size=256),
-    )
-    manager.start()
+    manager = None
+    if not versus_vllm:
+        manager = copy.deepcopy(base).init_continuous_batching(
+            generation_config=GenerationConfig(do_sample=False, eos_token_id=eos, pad_token_id=eos),
+            continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=256, num_blocks=64, page_size=256),
+        )
+        manager.start()
     workers = []
     if vllm_venv is not None:
         workers = [VllmWorker(base, dtype, vllm_venv) for dtype in ["float32"] + ["bfloat16"] * bf16]
@@ -402,15 +415,17 @@ def bench_model(title: str, load: Callable, names: list[str], rounds: int, bf16:
         for _ in range(rounds):
             for work in workloads:  # interleaved: every method runs each workload in turn
                 floor = raw_forward_floor(base, vocab)  # re-measured each time: the machine drifts
-                hf = run_hf_generate(base, work, eos)
-                reference[work.name] = hf.outputs
-                results = [hf, run_hf_continuous(manager, work)]
+                results = []
+                if manager is not None:
+                    results += [run_hf_generate(base, work, eos), run_hf_continuous(manager, work)]
                 results += [run_engine(engine, work, name) for name, engine in engines.items()]
                 results += [worker.run(work, eos) for worker in workers]
+                reference[work.name] = results[0].outputs
                 blocks.append(Block(work.name, floor, results))
                 print("\n".join(table(title, blocks[-1:], reference).splitlines()[-len(results) :]), flush=True)
     finally:
-        manager.stop(block=True, timeout=30)
+        if manager is not None:
+            manager.stop(block=True, timeout=30)
         for worker in workers:
             worker.close()
         for engine in engines.values():
@@ -442,7 +457,7 @@ def summary(blocks: list[Block]) -> str:
         lines.append(
             f"| {workload} | {method} | {len(values)} | {_spread([r.tok_s for r, _, _ in values], '.1f')} | "
             f"{_spread([r.ttft for r, _, _ in values], '.2f')} | {_spread(vs_vllm, '.2f', 'x')} | "
-            f"{_spread([ratios[1] for _, ratios, _ in values], '.2f', 'x')} | "
+            f"{_spread([ratios[1] for _, ratios, _ in values if ratios[1] is not None], '.2f', 'x')} | "
             + (f"{statistics.median(decode):.1f} | " if decode else "- | ")
             + (f"{statistics.median(speeds):.2f}x |" if speeds else "- |")
         )
@@ -471,6 +486,9 @@ def main() -> None:
         default=True,
         help="add vLLM CPU rows (its venv is made on first use, like scripts/serve_vllm.py's)",
     )
+    parser.add_argument(
+        "--versus-vllm", action="store_true", help="only the default engine against vLLM (with --bf16, both dtypes)"
+    )
     parser.add_argument("--vllm-venv", type=Path, help="default: $ASTRAI_VLLM_VENV, else scripts/serve_vllm.py's")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -485,7 +503,7 @@ def main() -> None:
         venv = None
         if args.vllm:
             venv = args.vllm_venv or Path(os.environ.get("ASTRAI_VLLM_VENV", _launcher().DEFAULT_VENV))
-        print(bench_model(title, load, names, args.rounds, args.bf16, venv), "\n", flush=True)
+        print(bench_model(title, load, names, args.rounds, args.bf16, venv, args.versus_vllm), "\n", flush=True)
 
 
 if __name__ == "__main__":
