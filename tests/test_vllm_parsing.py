@@ -621,3 +621,22 @@ def test_subscriber_survives_garbage(publisher):
         assert sub.status()["bad_messages"] == 2 and sub.is_alive()
     finally:
         sub.stop()
+
+
+def test_subscriber_reports_the_lag_of_live_batches(publisher):
+    """The lag is measured from the batch's own server time stamp: a batch stamped 250 ms ago shows >= 250 ms."""
+    sub = KvEventSubscriber(publisher.endpoint, poll_ms=50)
+    sub.start()
+    try:
+        time.sleep(0.4)
+        assert sub.status()["lag_ms"] is None
+        for payload in payloads("kv_events_run")[:3]:
+            wire = msgspec.msgpack.decode(payload)
+            wire[0] = time.time() - 0.25  # [ts, events, rank]: stamped a quarter second ago
+            publisher.publish(msgspec.msgpack.encode(wire))
+        assert wait_for(lambda: sub.snapshot().last_seq == 2)
+        lag = sub.status()["lag_ms"]
+        assert lag["batches"] == 3
+        assert 250 <= lag["median"] <= lag["max"] < 2000
+    finally:
+        sub.stop()

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -428,6 +428,7 @@ class KvEventSubscriber(threading.Thread):
         self._replays = 0
         self._bad_messages = 0
         self._errors: list[str] = []
+        self._lags_s: deque[float] = deque(maxlen=256)
 
     # -- control --
 
@@ -448,6 +449,7 @@ class KvEventSubscriber(threading.Thread):
                 "replays": self._replays,
                 "bad_messages": self._bad_messages,
                 "errors": tuple(self._errors[-5:]),
+                "lag_ms": _lag_summary(self._lags_s),
             }
 
     def _set_state(self, state: str, error: str | None = None) -> None:
@@ -510,6 +512,9 @@ class KvEventSubscriber(threading.Thread):
                 start = 0 if last is None else last + 1
             self._replay(ctx, start)
         status = self.tracker.apply(seq, batch)
+        if status is SeqStatus.NEXT:  # a live batch (a replayed one is late by design)
+            with self._state_lock:
+                self._lags_s.append(time.time() - batch.ts)
         if self.on_batch is not None:
             self.on_batch(seq, batch, status)
 
@@ -560,6 +565,17 @@ class KvEventSubscriber(threading.Thread):
 
     def snapshot(self) -> TrackerSnapshot:
         return self.tracker.snapshot()
+
+
+def _lag_summary(lags_s: deque[float]) -> dict[str, float] | None:
+    """Median and max of the recent live batches' lag, from the server's time stamp to applied in the tracker.
+
+    Both clocks are wall clocks: on one host the figure is exact; across hosts it includes their clock offset.
+    """
+    if not lags_s:
+        return None
+    ordered = sorted(lags_s)
+    return {"median": ordered[len(ordered) // 2] * 1000, "max": ordered[-1] * 1000, "batches": len(ordered)}
 
 
 def replay_frames(records: Iterable[list[bytes]], tracker: BlockTracker | None = None) -> BlockTracker:
