@@ -7,10 +7,11 @@ and the hook hands each layer's query, key and value to one custom op, ``astrai:
 Being one opaque op per layer is what lets ``torch.compile`` take the rest of the model whole.
 
 Per layer, the op first writes the new K/V into their slots, then lets each request attend to its own
-pages only. Requests with one query token (decodes) are attended together with two batched matmuls and a float32
-softmax: with a handful of query rows per KV head, that beats the flash kernel in bfloat16 (0.30 against 0.42 ms
-per layer for 8 requests at 300 tokens) and matches it in float32. Multi-token chunks (prefills) go one by one
-through ``scaled_dot_product_attention`` with a causal mask over their own context. GQA is served without copying
+pages only. Requests with one query token (decodes) are attended together in one ``scaled_dot_product_attention``
+call, each request a batch entry, its context gathered and padded to the longest (masked). On one machine two
+batched matmuls with a float32 softmax had beaten it; on another the fused kernel made whole decode steps 3-6%
+faster in both dtypes (docs/benchmarks.md), and it is one call instead of four. Multi-token chunks (prefills) go
+one by one through the same kernel with a causal mask over their own context. GQA is served without copying
 repeated heads: the query heads of one KV group are folded into extra query rows.
 """
 
@@ -46,7 +47,7 @@ class PagedBatch:
     slot_mapping: torch.Tensor  # [T] slot each new token's K/V is written to
     decode_rows: torch.Tensor  # [Bd] rows with a single query token
     decode_slots: torch.Tensor  # [Bd * Lmax] context slots of each decode row, padded, flattened
-    decode_bias: torch.Tensor | None  # [1, Bd, 1, Lmax] float32, -inf on padding; None when there is none
+    decode_bias: torch.Tensor | None  # [1, Bd, 1, Lmax] in the KV dtype, -inf on padding; None when there is none
     decode_covers_all: bool  # every row is a decode row: skip the scatter
     prefills: list[PrefillChunk]
 
@@ -78,7 +79,7 @@ def build_paged_batch(
         row += count
     longest = max((len(s) for s in decode_slots), default=0)
     padded = torch.zeros(len(decode_slots), longest, dtype=torch.long)
-    bias = torch.zeros(1, len(decode_slots), 1, longest)
+    bias = torch.zeros(1, len(decode_slots), 1, longest, dtype=kv_cache[0][0].dtype)
     for i, slots in enumerate(decode_slots):
         padded[i, : len(slots)] = slots
         bias[0, i, :, len(slots) :] = float("-inf")
@@ -158,10 +159,7 @@ def _paged_attention_op(
         q_dec = q_dec.view(kv_heads, groups, n, head_dim).transpose(1, 2)  # [KVH, Bd, G, D]
         k = k_cache.index_select(1, batch.decode_slots).view(kv_heads, n, -1, head_dim)  # [KVH, Bd, L, D]
         v = v_cache.index_select(1, batch.decode_slots).view(kv_heads, n, -1, head_dim)
-        scores = torch.matmul(q_dec, k.transpose(-1, -2)).float() * scale  # [KVH, Bd, G, L]
-        if batch.decode_bias is not None:
-            scores += batch.decode_bias
-        res = torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)
+        res = F.scaled_dot_product_attention(q_dec, k, v, attn_mask=batch.decode_bias, scale=scale)  # [KVH, Bd, G, D]
         res = res.permute(1, 0, 2, 3).reshape(n, heads, head_dim)
         if batch.decode_covers_all:
             out = res
