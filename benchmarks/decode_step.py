@@ -1,6 +1,7 @@
-"""One decode step, A against B: ``python -m benchmarks.decode_step [--dtype bfloat16] [--batch 8] [--context 300]``.
+"""One decode step, A against B: ``python -m benchmarks.decode_step [--dtype bfloat16] [--model embedded]``.
 
-The model runner alone (no scheduler, sampler or streams), on the SmolLM2-135M-shaped model, in variants that each
+The model runner alone (no scheduler, sampler or streams), on the SmolLM2-135M-shaped model or the embedded one, in
+variants that each
 hold their own copy of the weights: eager with packed weights (the default), and ``torch.compile``d. Every variant
 first computes the same prompts, then the variants take turns computing one decode step for the whole batch,
 step after step, so a drift of the machine hits all of them alike. Each round reports every variant's median step
@@ -19,7 +20,7 @@ import torch
 from astrai.model_runner import SUPPORTED_DTYPES, ModelRunner
 from astrai.request import Request
 from astrai.sampling import SamplingParams
-from benchmarks.bench import smollm_shaped
+from benchmarks.bench import embedded, smollm_shaped
 
 VARIANTS = {"eager, packed weights": dict(packed_weights=True), "compiled": dict(compile=True)}
 
@@ -46,8 +47,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20, help="steps per variant per round")
+    parser.add_argument("--model", choices=("smollm", "embedded"), default="smollm")
     args = parser.parse_args()
-    model, _ = smollm_shaped()
+    model, _ = smollm_shaped() if args.model == "smollm" else embedded()
     vocab = model.config.vocab_size
     n_pages = args.batch * (args.context // 16 + 2)
     runners, work = {}, {}
@@ -60,7 +62,8 @@ def main() -> None:
         print(f"{name}: ready in {time.perf_counter() - started:.1f} s (load, prefill, first decode)", flush=True)
     first = next(iter(runners))
     print(
-        f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, batch {args.batch}, "
+        f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, {args.model}, {args.dtype}, "
+        f"batch {args.batch}, "
         f"context {args.context}\n\n| round | "
         + " | ".join(f"{n} ms" for n in runners)
         + " | "
