@@ -105,11 +105,14 @@ def paged_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention hook. q: [1, H, T, D], k/v: [1, KVH, T, D] (after RoPE). Returns ([1, T, H, D], None).
 
-    It only forwards to the ``astrai::paged_attention`` op, so that ``torch.compile`` sees one opaque call per layer
-    and compiles the rest of the model around it without a graph break.
+    Under ``torch.compile`` it calls the ``astrai::paged_attention`` op, so the compiler sees one opaque call per
+    layer and compiles the rest of the model around it without a graph break.
     """
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return torch.ops.astrai.paged_attention(query, key, value, module.layer_idx, scale), None
+    if torch.compiler.is_compiling():
+        return torch.ops.astrai.paged_attention(query, key, value, module.layer_idx, scale), None
+    # eager: the op's own body, without the custom-op dispatch (about a tenth of a small model's decode step)
+    return _paged_attention(query, key, value, module.layer_idx, scale), None
 
 
 _current_batch: ContextVar[PagedBatch | None] = ContextVar("astrai_paged_batch", default=None)
@@ -129,8 +132,7 @@ def serving(batch: PagedBatch) -> Iterator[None]:
         _current_batch.reset(token)
 
 
-@torch.library.custom_op("astrai::paged_attention", mutates_args=())
-def _paged_attention_op(
+def _paged_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float
 ) -> torch.Tensor:
     """Writes this step's K/V into the layer's pages, then attends each request to its own context.
@@ -174,6 +176,13 @@ def _paged_attention_op(
         res = res.reshape(heads, chunk.length, head_dim).transpose(0, 1)
         out[chunk.start : chunk.start + chunk.length] = res
     return out.unsqueeze(0)
+
+
+@torch.library.custom_op("astrai::paged_attention", mutates_args=())
+def _paged_attention_op(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float
+) -> torch.Tensor:
+    return _paged_attention(query, key, value, layer_idx, scale)
 
 
 @_paged_attention_op.register_fake
