@@ -515,3 +515,59 @@ def test_vllm_browser_shared_prefix_scenario_twice(vllm_app):
             assert "cached (derived)" in page.locator("#stats").inner_text()
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "playground-vllm.png"), full_page=True)
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(1200)  # two server starts, a minute or more each on 2 busy cores
+def test_vllm_real_server_killed_mid_run_then_restarted(vllm_url, tmp_path):
+    """The fault test on a real server of its own (the shared one stays up for the other tests): SIGKILL to its
+    whole process group with the run's requests in flight, then the same launcher starts it again on the same port
+    and endpoints.
+
+    The real server streams 256 tokens of the embedded model in about a second, faster than a client sees the text
+    and can react, so the test freezes it (SIGSTOP) before the run and kills it while the requests wait on it. The
+    fake-server test above covers a death in the middle of streamed text."""
+    from gradio_client import Client
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    events, replay = f"ipc://{tmp_path}/kv.sock", f"ipc://{tmp_path}/kv-replay.sock"
+    pid_file = tmp_path / "vllm.pid"
+    serve = [
+        sys.executable,
+        str(ROOT / "scripts" / "serve_vllm.py"),
+        "--port",
+        str(port),
+        "--pid-file",
+        str(pid_file),
+        "--log",
+        str(ARTIFACTS / "vllm-killed.log"),
+        "--kv-events",
+        events,
+        "--kv-replay",
+        replay,
+    ]
+    ARTIFACTS.mkdir(exist_ok=True)
+    subprocess.run([*serve, "--wait", "--timeout", "600"], check=True, cwd=ROOT)
+    try:
+        app_args = ["--vllm-url", url, "--kv-events", events, "--kv-replay", replay]
+        with launch_app(log_path=ARTIFACTS / "app-vllm-killed.log", args=app_args) as app_url:
+            client = Client(app_url, verbose=False)
+            server = int(pid_file.read_text())
+            os.killpg(server, signal.SIGSTOP)  # frozen: the run's four requests reach it and wait for an answer
+            job = client.submit(**loadtest.run_args(PANELS, 256, PREFIX), api_name="/run")
+            time.sleep(3)
+            assert not job.done(), "the run must still be waiting on the server when it dies"
+            os.killpg(server, signal.SIGKILL)
+            started = time.monotonic()
+            final = job.result(timeout=60)
+            assert time.monotonic() - started < 30, "a dead server must not hang the run"
+            for badge in badges_of(final, 4):
+                assert "failed:" in badge and url in badge, badge
+            assert wait_until(lambda: "backend unreachable" in stats_line(client), timeout=15, interval=0.3)
+            subprocess.run([*serve, "--wait", "--timeout", "600"], check=True, cwd=ROOT)
+            assert wait_until(lambda: "backend unreachable" not in stats_line(client), timeout=30, interval=0.5)
+            back = client.predict(**loadtest.run_args(PANELS[:2], 8, PREFIX), api_name="/run")
+            assert all(back[:2]) and not any("failed" in b for b in badges_of(back, 2)), back[:8]
+    finally:
+        subprocess.run([*serve, "--stop"], check=False, cwd=ROOT)
