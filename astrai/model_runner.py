@@ -90,10 +90,8 @@ class ModelRunner:
         self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
         pack = packed_weights and not compile and packing_supported(dtype)
         self.packed_linears = self._pack() if pack else 0
-        self.compiled = compile
-        self.forward = (
-            torch.compile(model.forward, dynamic=True, options={"freezing": True}) if compile else model.forward
-        )
+        # eager steps call the model itself (so a wrapper put on its forward later, as the soak's faults, still runs)
+        self.compiled = torch.compile(model.forward, dynamic=True, options={"freezing": True}) if compile else None
 
     def _pack(self) -> int:
         """Packing is only a speed-up: where oneDNN refuses a weight, the model keeps its own layers."""
@@ -133,11 +131,12 @@ class ModelRunner:
         )
         tokens, positions_t = torch.tensor([input_ids]), torch.tensor([positions])
         rows = torch.tensor(sample_rows, dtype=torch.long)
-        if self.compiled:
+        forward = self.model if self.compiled is None else self.compiled
+        if self.compiled is not None:
             # unbacked: a step of one token (or one sampled row) must not get a graph of its own, as a size of 1
             # otherwise would; one graph then serves every step
             for tensor, dim in ((tokens, 1), (positions_t, 1), (rows, 0)):
                 torch._dynamo.decorators.mark_unbacked(tensor, dim)
         with serving(batch):
-            out = self.forward(input_ids=tokens, position_ids=positions_t, use_cache=False, logits_to_keep=rows)
+            out = forward(input_ids=tokens, position_ids=positions_t, use_cache=False, logits_to_keep=rows)
         return out.logits[0]

@@ -183,7 +183,8 @@ def build_demo(service: PlaygroundService) -> gr.Blocks:
             "Engine settings (shared by every visitor; applying rebuilds the engine)", open=False, visible=local
         ):
             with gr.Row():
-                model = gr.Dropdown(list(MODEL_CHOICES), value=backend.label, label="Model")
+                # hidden for vLLM, whose model is the server's: its label is not one of the choices
+                model = gr.Dropdown(list(MODEL_CHOICES), value=backend.label if local else None, label="Model")
                 page_size = gr.Dropdown(list(PAGE_SIZES), value=settings.page_size, label="Page size (tokens)")
                 n_pages = gr.Slider(*POOL_PAGES, value=settings.n_pages, step=8, label="Pool size (pages)")
                 max_batch = gr.Slider(*BATCH_SIZES, value=settings.max_batch_size, step=1, label="Max batch")
