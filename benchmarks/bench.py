@@ -12,7 +12,6 @@ import argparse
 import copy
 import importlib.util
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -260,6 +259,7 @@ class VllmWorker:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            env=launcher.server_env(launcher.parse_args([])),  # offline, no usage stats, the launcher's KV space
         )
         if not self._answer().get("ready"):
             raise RuntimeError("the vLLM worker did not start")
@@ -502,7 +502,7 @@ def main() -> None:
         title, load = loaders[key]
         venv = None
         if args.vllm:
-            venv = args.vllm_venv or Path(os.environ.get("ASTRAI_VLLM_VENV", _launcher().DEFAULT_VENV))
+            venv = args.vllm_venv or _launcher().parse_args([]).venv  # $ASTRAI_VLLM_VENV, else its default
         print(bench_model(title, load, names, args.rounds, args.bf16, venv, args.versus_vllm), "\n", flush=True)
 
 

@@ -22,6 +22,7 @@ from astrai.request import Request
 from astrai.sampling import SamplingParams
 from benchmarks.bench import embedded, smollm_shaped
 
+PAGE_SIZE = 16
 VARIANTS = {"eager, packed weights": dict(packed_weights=True), "compiled": dict(compile=True)}
 
 
@@ -51,11 +52,11 @@ def main() -> None:
     args = parser.parse_args()
     model, _ = smollm_shaped() if args.model == "smollm" else embedded()
     vocab = model.config.vocab_size
-    n_pages = args.batch * (args.context // 16 + 2)
+    n_pages = args.batch * (args.context // PAGE_SIZE + 2)
     runners, work = {}, {}
     for name, options in VARIANTS.items():
         started = time.perf_counter()
-        runner = ModelRunner(copy.deepcopy(model), n_pages, 16, SUPPORTED_DTYPES[args.dtype], **options)
+        runner = ModelRunner(copy.deepcopy(model), n_pages, PAGE_SIZE, SUPPORTED_DTYPES[args.dtype], **options)
         work[name] = decode_batch(runner, args.batch, args.context, vocab)
         runner.step(work[name])  # a compiled runner compiles here, if the prefill did not already
         runners[name] = runner

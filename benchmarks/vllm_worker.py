@@ -8,6 +8,7 @@ JSON line on stdout, so the benchmark can interleave vLLM with the other methods
     out: {"wall": s, "ttfts": [s per request], "decode_ms": ms | null, "prompt_computed": n,
           "generated": n, "outputs": [[token ids], ...]}
 
+Its environment (offline, the KV space) is the one ``scripts/serve_vllm.py`` gives a server, set by the caller.
 Every run starts with a cold prefix cache (``reset_prefix_cache``), as the engine's runs do. Prompts go in as token
 ids (no tokenizer is loaded) and decoding is greedy, stopping at ``eos`` as ``generate`` does. TTFT is each request's
 first token as seen by this client; the decode step is the median time between two consecutive engine steps in
@@ -32,9 +33,6 @@ def main() -> None:
     # vLLM logs to stdout, and so do the engine processes it starts: keep stdout for the JSON answers alone
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: W1 and W2 need a few MB; the default takes more
-    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK"):
-        os.environ.setdefault(name, "1")
 
     from vllm import LLM, SamplingParams  # noqa: PLC0415 - only importable inside vLLM's venv
     from vllm.inputs import TokensPrompt  # noqa: PLC0415

@@ -20,6 +20,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -93,7 +94,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8041)
     parser.add_argument("--app-port", type=int, default=7871)
     args = parser.parse_args()
-    tmp = os.environ.get("TMPDIR", "/tmp")
+    tmp = tempfile.gettempdir()
     rounds = []
     for r in range(args.rounds):
         rounds.append(one_round(args.port, args.app_port, tmp))
