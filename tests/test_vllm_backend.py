@@ -409,12 +409,29 @@ def test_vllm_four_panels_stream_and_equal_the_local_engine(vclient):
     assert list(final[:4]) == expected, "greedy text equals the local engine's"
 
 
+def settled_stats(client, quiet_s: float = 1.0, timeout_s: float = 20.0) -> dict:
+    """The app's cache stats once the prefix-cache counters have stopped moving for ``quiet_s``.
+
+    The vLLM backend samples ``/metrics`` every 0.25 s, and the server counts a request's prefix-cache query a
+    moment after its stream ends, so stats read right after a run can predate it (a CI run read the same counters
+    before and after a run, and divided by zero)."""
+    latest = client.predict(api_name="/cache_stats")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        again = client.predict(api_name="/cache_stats")
+        if (again["query_tokens"], again["hit_tokens"]) == (latest["query_tokens"], latest["hit_tokens"]):
+            return again
+        latest = again
+    raise AssertionError(f"the prefix-cache counters were still moving after {timeout_s:.0f} s: {latest}")
+
+
 @pytest.mark.vllm
 def test_vllm_second_run_hits_the_cache_on_every_panel_and_the_hit_rate_rises(vclient):
     vclient.predict(**run_args(PANELS, 8), api_name="/run")  # (again) the first run in this namespace
-    before = vclient.predict(api_name="/cache_stats")
+    before = settled_stats(vclient)
     final = vclient.predict(**run_args(PANELS, 8), api_name="/run")
-    after = vclient.predict(api_name="/cache_stats")
+    after = settled_stats(vclient)
     cached = [cached_in(b) for b in badges_of(final, 4)]
     assert min(cached) >= 64, cached  # at least the two full blocks of the shared prefix
     window = (after["hit_tokens"] - before["hit_tokens"]) / (after["query_tokens"] - before["query_tokens"])
