@@ -45,13 +45,14 @@ def test_run_streams_every_panel_and_equals_the_engine(client):
     updates = list(job)
     assert len(updates) > 2, "the run should stream several updates"
     final = updates[-1]
+    assert len(final) == 6, "the stream carries the six text boxes only (each output costs every frame)"
     for earlier in updates:
         assert all(final[i].startswith(earlier[i]) for i in range(len(PANELS))), "streamed text only grows"
     with InferenceEngine.from_pretrained(EMBEDDED_MODEL, page_size=16, n_pages=256) as engine:
         expected = engine.generate([PREFIX + p for p in PANELS], max_tokens=24)
     assert list(final[: len(PANELS)]) == expected
     assert all(final[i] == "" for i in range(len(PANELS), 6))
-    badges = final[6 : 6 + len(PANELS)]
+    badges = client.predict(api_name="/after_run")[: len(PANELS)]  # the badges come after the text (as in a browser)
     cached = [int(re.search(r"\*\*(\d+)\*\* cached", b).group(1)) for b in badges]
     assert cached[0] == 0 and min(cached[1:]) > 0, badges  # panels after the first share the prefix pages
 
@@ -114,6 +115,25 @@ def test_browser_shared_prefix_scenario(page):
     page.screenshot(path=str(ARTIFACTS / "playground.png"), full_page=True)
 
 
+@pytest.mark.browser
+def test_browser_a_run_clears_the_last_runs_badges_then_fills_in_its_own(page):
+    """The stream carries the text alone: a click clears the badges, and ``after_run`` fills them in."""
+    page.locator("#n_panels input[type=number]").fill("1")
+    page.locator("#n_panels input[type=number]").press("Enter")
+    page.wait_for_selector("#prompt_1", state="hidden", timeout=10000)
+    page.locator("#prompt_0 textarea").fill("and then " * 15)  # greedy, this runs to 256 tokens
+    page.get_by_text("Sampling").first.click()
+    page.locator("#max_tokens input[type=number]").fill("256")
+    page.locator("#max_tokens input[type=number]").press("Enter")
+    ttft = "/TTFT/.test(document.querySelector('#badge_0').innerText)"
+    page.click("#run_btn")
+    page.wait_for_function(ttft, timeout=60000)
+    page.click("#run_btn")
+    page.wait_for_function(f"!{ttft}", timeout=10000)  # not the last run's figures while this one streams
+    page.wait_for_function(ttft, timeout=60000)
+    assert page.locator("#out_0 textarea").input_value(), "the text streamed"
+
+
 HOSTILE = '<img src=x onerror="window.__pwned=1"><script>window.__pwned=2</script><b>bold</b> Once upon a time'
 
 
@@ -158,8 +178,9 @@ def test_another_session_never_sees_my_text_and_isolation_works(server_url):
 
     def bob_cached(isolate: bool) -> int:
         args = run_args([secret], 4) | {"shared_prefix": "", "isolate_cache": isolate}
-        outputs = bob.predict(**args, api_name="/run")
-        return int(re.search(r"\*\*(\d+)\*\* cached", outputs[6]).group(1))
+        bob.predict(**args, api_name="/run")
+        badge = bob.predict(api_name="/after_run")[0]
+        return int(re.search(r"\*\*(\d+)\*\* cached", badge).group(1))
 
     assert bob_cached(isolate=True) == 0  # his salted namespace cannot see Alice's pages
     assert bob_cached(isolate=False) > 0  # the shared namespace hits them (without showing her text)

@@ -64,10 +64,13 @@ def one_run(page: Page) -> dict:
     for i in range(PANELS):  # clear the boxes so the probe sees the new run from its start
         page.evaluate(f"document.querySelector('#out_{i} textarea').value = ''")
     page.evaluate(PROBE)
+    note = page.locator("#replay_note").inner_text()  # narrates the last step of a run once the run has ended
     clicked = page.evaluate("performance.now()")
     page.click("#run_btn")
     page.wait_for_function(
-        "(document.querySelector('#requests').innerText.match(/finished/g) || []).length >= 4", timeout=180000
+        f"document.querySelector('#replay_note').innerText !== {note!r} && "
+        "(document.querySelector('#requests').innerText.match(/finished/g) || []).length >= 4",
+        timeout=180000,
     )
     page.wait_for_timeout(500)
     probe = page.evaluate("window.__probe")

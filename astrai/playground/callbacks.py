@@ -22,17 +22,17 @@ from astrai.playground import charts, replay, tree, views
 from astrai.playground.backend import BackendError
 from astrai.playground.local_backend import EMBEDDED_LABEL, EngineSettings, LocalBackend
 from astrai.playground.scenarios import FOLLOW_UP, LESSON, SCENARIO_BY_NAME
-from astrai.playground.service import PlaygroundService, Visitor
+from astrai.playground.service import PlaygroundService, ShownRun, Visitor
 from astrai.sampling import SamplingParams
 
 MAX_PANELS = 6
 MAX_PROMPT_CHARS = 2000
 MAX_NEW_TOKENS = 256
 TEXT_EVERY_S = 0.04  # panel text: at most one update per 40 ms (gradio sends every yield)
-DETAILS_EVERY_S = 0.5  # badges and token colouring: they change slowly
 MESSAGES_PER_S = 50  # stream messages the server sends per second, all runs together; more runs, fewer each
 SPEEDS = {"1x": 1.0, "quarter": 0.25}
 MAX_GHOSTS = 64  # evicted pages kept for the tree's next drawing
+OCCUPANCY_STREAMING_S = 4.0  # while the visitor's own text streams, the occupancy chart is redrawn this seldom
 
 
 @dataclass
@@ -66,11 +66,11 @@ class Components:
 
 @contextlib.contextmanager
 def _streaming(visitor: Visitor) -> Iterator[None]:
-    visitor.streaming = True
+    visitor.streaming_since = time.monotonic()
     try:
         yield
     finally:
-        visitor.streaming = False
+        visitor.streaming_since = None
 
 
 def session_of(request: gr.Request) -> str:
@@ -105,10 +105,6 @@ class StreamingRuns:
     def interval(self) -> float:
         """Seconds between two text messages of one run."""
         return max(TEXT_EVERY_S, self._active / MESSAGES_PER_S)
-
-    def alone(self) -> bool:
-        """Whether a single run streams: it may then also refresh its costlier outputs (the table) as it goes."""
-        return self._active <= 1
 
 
 class Playground:
@@ -194,6 +190,14 @@ class Playground:
     def _stream(
         self, n_panels, shared_prefix, panels, max_tokens, temperature, top_p, top_k, seed, isolate, request, share
     ) -> Iterator[dict]:
+        """Stream the panels' text, and nothing else; ``after_run`` brings the badges, token colouring and table.
+
+        Gradio 6.31 makes each message of a streaming event cost every output a server-side postprocess and the
+        browser an update, changed or not, and every event's status message makes its front end refresh the loading
+        status of every component it has seen. In headless Chromium (tools/measure.py), the slowest of 4 panels
+        showed 6-10 updates a second with the badges, token colouring and table in the stream (19 outputs), 16-18
+        with the six text boxes alone, and about 10 again when a timer brought the badges while the text streamed.
+        """
         n, prefix, prompts, params = self._parse(
             n_panels, shared_prefix, panels, max_tokens, temperature, top_p, top_k, seed
         )
@@ -210,41 +214,20 @@ class Playground:
         self.service.register(run.request_ids, session)
         visitor.recording = replay.Recording(base, (), tuple(run.request_ids))
         visitor.following, visitor.play = True, None
+        visitor.shown = ShownRun(tuple(run.request_ids), tuple(prompts))
         answers = [""] * n
-        decode, special = backend.decode, backend.special_ids()
-        # Every yield carries a value for every output: an output left out becomes gr.skip(), which makes Gradio
-        # rebuild that component's config and API schema (about a millisecond each, per frame, per visitor).
-        # Values that did not change cost nothing: a streaming output is sent as a diff.
-        frame: dict = {ui.table: [], **{box: None for box in ui.highlights}}
 
         def text() -> dict:
-            frame.update({ui.outputs[i]: answers[i] if i < n else "" for i in range(MAX_PANELS)})
-            return dict(frame)
-
-        def details(costly: bool = False) -> dict:
-            """Badges and token colouring; with ``costly``, also the table, which the browser redraws whole."""
-            infos = self._infos(run.request_ids)
-            for i in range(MAX_PANELS):
-                info = infos[i] if i < n else None
-                frame[ui.badges[i]] = views.badge(info)
-                if info is not None and info.cached_tokens is not None and frame[ui.highlights[i]] is None:
-                    frame[ui.highlights[i]] = views.token_highlights(info, decode, special)
-            if costly:
-                frame[ui.table] = views.request_rows(infos, prompts)
-                self._follow(visitor)
-            return text()
+            return {ui.outputs[i]: answers[i] if i < n else "" for i in range(MAX_PANELS)}
 
         try:
-            yield details(costly=True)
-            last_text = last_details = time.monotonic()
+            yield text()
+            last_text = time.monotonic()
             with self.runs.streaming(), _streaming(visitor):
                 for index, delta in run:
                     answers[index] += delta
                     now = time.monotonic()
-                    if now - last_details >= DETAILS_EVERY_S:
-                        last_details = last_text = now
-                        yield details(costly=self.runs.alone())
-                    elif now - last_text >= self.runs.interval():
+                    if now - last_text >= self.runs.interval():
                         last_text = now
                         yield text()
         except BackendError as exc:
@@ -256,15 +239,35 @@ class Playground:
             visitor.with_cache, visitor.without_cache = summary, None
         else:
             visitor.without_cache = summary
-        yield details(costly=True)
+        yield text()
+
+    def _details(self, request: gr.Request) -> dict:
+        """The badges, token colouring and request table of the visitor's latest run, and its recording extended
+        to the latest step."""
+        visitor = self.service.visitor(session_of(request))
+        self._follow(visitor)
+        shown, ui = visitor.shown, self.ui
+        if shown is None:
+            return {**{b: views.badge(None) for b in ui.badges}, **{h: None for h in ui.highlights}, ui.table: []}
+        infos = self._infos(list(shown.request_ids))
+        decode, special = self.backend.decode, self.backend.special_ids()
+        update: dict = {ui.table: views.request_rows(infos, list(shown.prompts))}
+        for i in range(MAX_PANELS):
+            info = infos[i] if i < len(infos) else None
+            update[ui.badges[i]] = views.badge(info)
+            if i not in shown.highlights and info is not None and info.cached_tokens is not None:
+                shown.highlights[i] = views.token_highlights(info, decode, special)  # fixed once known
+            update[ui.highlights[i]] = shown.highlights.get(i)
+        return update
 
     def after_run(self, request: gr.Request) -> dict:
-        """Once a run ends (or is stopped): stretch the replay slider over it, narrate its last step, and chart
-        what caching saved. Apart from the stream because resizing a slider is a costly prop update."""
+        """Once a run ends (or is stopped): its final badges and table, the replay slider stretched over it and
+        its last step narrated, and the chart of what caching saved. Apart from the stream because resizing a
+        slider is a costly prop update."""
         visitor = self.service.visitor(session_of(request))
-        recording = self._follow(visitor)
+        update = self._details(request) | self._savings(visitor)
+        recording = visitor.recording
         steps = len(recording.samples) if recording else 0
-        update = self._savings(visitor)
         if visitor.following:
             update[self.ui.replay_step] = gr.Slider(maximum=max(steps, 1), value=steps)
         else:
@@ -316,18 +319,27 @@ class Playground:
         update = {ui.view_state: new_state, ui.stats: views.stats_line(stats, backend.label, derived)}
         if not visitor.following or (quiet and state.get("settled")):  # replaying, or nothing moved: no redraw
             return update
-        if visitor.streaming and tick % 2 and not fresh:  # every other second while text streams: text first
-            return update
-        # Every redrawn figure costs the browser a frame or more. While the cache moves, the two in view (page map,
-        # occupancy) are redrawn each tick (every other one while this visitor's text streams) and the three below
-        # take turns (not at all while the text streams); once the cache settles, all are redrawn.
+        # Every redrawn figure costs the browser a frame or more, and the browser's frames are what the streaming
+        # text needs (tools/measure.py: redrawing the occupancy chart each second while the text streamed cost the
+        # slowest panel about a fifth of its visible updates). So while this visitor's text streams, only the page
+        # map is redrawn each tick (about 20 ms in Chromium), the occupancy chart every OCCUPANCY_STREAMING_S (a
+        # short run's steps appear when it ends: the chart has a point per step), and the three below wait for the
+        # end. Otherwise the two in view are redrawn each tick and the three below take turns; once the cache
+        # settles, all are redrawn.
         everything = fresh or quiet
-        series = views.series(backend.history(0), stats, time.time())
         records = backend.snapshot().pages
         owners = self._owners(records)
         pages = views.page_views(records, owners, session, {e.page for e in evicted}, backend.decode)
-        update |= {ui.page_map: charts.page_map(pages, panel_label), ui.plots[0]: charts.occupancy_chart(series)}
-        if visitor.streaming and not everything:  # the text has the browser's frames; the rest waits for the end
+        update[ui.page_map] = charts.page_map(pages, panel_label)
+        since, now = visitor.streaming_since, time.monotonic()
+        streaming = since is not None and not everything
+        new_state["occupancy_at"] = drawn_at = state.get("occupancy_at", 0.0)
+        if streaming and now - max(since or 0.0, drawn_at) < OCCUPANCY_STREAMING_S:
+            return update
+        series = views.series(backend.history(0), stats, time.time())
+        update[ui.plots[0]] = charts.occupancy_chart(series)
+        new_state["occupancy_at"] = now
+        if streaming:
             return update
         if everything or tick % 3 == 0:
             update[ui.plots[1]] = charts.lru_chart(series)

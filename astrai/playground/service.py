@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from astrai.playground.backend import Backend
 from astrai.playground.replay import Recording
@@ -18,16 +19,26 @@ KEEP_OWNERS = 4096  # requests remembered; the oldest are forgotten first (their
 KEEP_VISITORS = 128  # visitors whose last run (replay, savings) is kept; the least recently active go first
 
 
+@dataclass(frozen=True)
+class ShownRun:
+    """The run whose badges, token colouring and table a visitor sees: the latest one they started."""
+
+    request_ids: tuple[int, ...]
+    prompts: tuple[str, ...]
+    highlights: dict[int, Any] = field(default_factory=dict)  # panel -> its token colouring, fixed once known
+
+
 @dataclass
 class Visitor:
     """One session's view state. Written by that session's callbacks only; each field is replaced whole."""
 
     recording: Recording | None = None
     following: bool = True  # live: the replay slider and the charts follow the latest step
-    streaming: bool = False  # a run of this visitor is streaming text (the charts then redraw less often)
+    streaming_since: float | None = None  # monotonic start of this visitor's streaming run (charts redraw less)
     play: tuple[float, float, int] | None = None  # (speed, wall clock at start, index at start) while playing
     with_cache: RunSummary | None = None
     without_cache: RunSummary | None = None
+    shown: ShownRun | None = None
 
 
 class PlaygroundService:

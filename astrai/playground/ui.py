@@ -253,9 +253,20 @@ def _wire(app: Playground, ui: Components, demo: gr.Blocks, columns: list, c: di
         c["seed"],
         c["isolate"],
     ]
-    run_outputs = [*ui.outputs, *ui.badges, *ui.highlights, ui.table]
-    after_outputs = [ui.replay_step, ui.replay_note, ui.savings, ui.savings_note]
-    run_event = c["run_btn"].click(
+    run_outputs = ui.outputs  # the text alone: see Playground._stream
+    details_outputs = [*ui.badges, *ui.highlights, ui.table]
+    after_outputs = [*details_outputs, ui.replay_step, ui.replay_note, ui.savings, ui.savings_note]
+
+    # A click first clears the last run's badges, token colouring and table (they would describe it while the new
+    # run streams); the run then streams its text alone and ``after_run`` fills them in (see Playground._stream).
+    def clear_details():
+        return {**{badge: "" for badge in ui.badges}, **{box: None for box in ui.highlights}, ui.table: []}
+
+    started = {
+        button: button.click(clear_details, None, details_outputs, queue=False, api_visibility="private")
+        for button in (c["run_btn"], c["compare_btn"])
+    }
+    run_event = started[c["run_btn"]].then(
         app.run,
         run_inputs,
         run_outputs,
@@ -263,8 +274,9 @@ def _wire(app: Playground, ui: Components, demo: gr.Blocks, columns: list, c: di
         concurrency_limit=RUN_CONCURRENCY,
         concurrency_id="run",
         show_progress="minimal",
+        show_progress_on=ui.outputs[0],  # a queued run says so once, not in every panel (each tracker costs frames)
     )
-    compare_event = c["compare_btn"].click(
+    compare_event = started[c["compare_btn"]].then(
         app.compare,
         run_inputs,
         run_outputs,
@@ -272,6 +284,7 @@ def _wire(app: Playground, ui: Components, demo: gr.Blocks, columns: list, c: di
         concurrency_limit=RUN_CONCURRENCY,
         concurrency_id="run",
         show_progress="minimal",
+        show_progress_on=ui.outputs[0],
     )
     # API clients call /after_run themselves once /run returns (the browser chains it): see tests/test_app.py
     run_event.then(app.after_run, None, after_outputs, api_name="after_run", show_progress="hidden")
