@@ -255,9 +255,8 @@ class Playground:
         for i in range(MAX_PANELS):
             info = infos[i] if i < len(infos) else None
             update[ui.badges[i]] = views.badge(info)
-            if i not in shown.highlights and info is not None and info.cached_tokens is not None:
-                shown.highlights[i] = views.token_highlights(info, decode, special)  # fixed once known
-            update[ui.highlights[i]] = shown.highlights.get(i)
+            known = info is not None and info.cached_tokens is not None
+            update[ui.highlights[i]] = views.token_highlights(info, decode, special) if known else None
         return update
 
     def after_run(self, request: gr.Request) -> dict:

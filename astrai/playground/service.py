@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from astrai.playground.backend import Backend
 from astrai.playground.replay import Recording
@@ -25,7 +24,6 @@ class ShownRun:
 
     request_ids: tuple[int, ...]
     prompts: tuple[str, ...]
-    highlights: dict[int, Any] = field(default_factory=dict)  # panel -> its token colouring, fixed once known
 
 
 @dataclass
