@@ -319,12 +319,12 @@ class Playground:
         if not visitor.following or (quiet and state.get("settled")):  # replaying, or nothing moved: no redraw
             return update
         # Every redrawn figure costs the browser a frame or more, and the browser's frames are what the streaming
-        # text needs (tools/measure.py: redrawing the occupancy chart each second while the text streamed cost the
-        # slowest panel about a fifth of its visible updates). So while this visitor's text streams, only the page
-        # map is redrawn each tick (about 20 ms in Chromium), the occupancy chart every OCCUPANCY_STREAMING_S (a
-        # short run's steps appear when it ends: the chart has a point per step), and the three below wait for the
-        # end. Otherwise the two in view are redrawn each tick and the three below take turns; once the cache
-        # settles, all are redrawn.
+        # text needs (tools/measure.py A/B runs: with the page map and occupancy redrawn every other second while
+        # the text streamed, the slowest panel showed 14 updates/s; with the page map alone each second, 17-18).
+        # So while this visitor's text streams, only the page map is redrawn each tick (about 20 ms in Chromium),
+        # the occupancy chart every OCCUPANCY_STREAMING_S (a short run's steps appear when it ends: the chart has a
+        # point per step), and the three below wait for the end. Otherwise the two in view are redrawn each tick
+        # and the three below take turns; once the cache settles, all are redrawn.
         everything = fresh or quiet
         records = backend.snapshot().pages
         owners = self._owners(records)
