@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from astrai import InferenceEngine
-from astrai.observation import CacheSnapshot
+from astrai.observation import CacheSnapshot, PageRecord, StepSample
 from astrai.playground.replay import Recording, narrate, pages_at, tokens_at
 
 SHARED = "Once upon a time there was a little cat. "
@@ -52,3 +52,16 @@ def test_narration_says_who_was_admitted_and_what_it_hit(model, tokenizer):
     assert "panel 1 admitted" in first and "panel 3 admitted" in first
     assert "cached page" in first and "prompt tokens from cache" in first
     assert narrate(recording, 0) == f"step {base.step}: before the run"
+
+
+def test_narration_of_a_page_the_base_never_held():
+    """The vLLM backend's pages are the blocks its KV events told of: a block first stored during the run is absent
+    from the run's base snapshot (CI caught ``after_run`` raising KeyError on one, leaving the badges unfilled)."""
+    stored = PageRecord(3, "in_use", None, None, (7,), 0, b"k", None, 7, None, (1, 2))
+    sample = StepSample(
+        step=5, time=0.0, duration_s=0.0, free_pages=None, used_pages=1, cached_pages=None, prefill_tokens=None,
+        decode_tokens=None, hit_tokens=0, query_tokens=2, evictions=None, preemptions=0, requests=(7,),
+        sampled=(), page_changes=(stored,),
+    )  # fmt: skip
+    recording = Recording(CacheSnapshot(4, ()), (sample,), (7,))
+    assert narrate(recording, 1).endswith("panel 1 admitted, 1 page allocated")

@@ -87,9 +87,9 @@ def narrate(recording: Recording, index: int) -> str:
     admitted = [panel[r] + 1 for r in sample.requests if r in panel and r not in seen_before]
     parts = [f"panel {p} admitted" for p in admitted]
     for label, state in (("allocated", "in_use"), ("freed to the LRU", "cached"), ("freed", "free")):
-        moved = [c for c in sample.page_changes if c.state == state and before[c.page].state != state]
-        fresh = [c for c in moved if before[c.page].state == "free"] if state == "in_use" else moved
-        hits = [c for c in moved if before[c.page].state == "cached"] if state == "in_use" else []
+        moved = [c for c in sample.page_changes if c.state == state and before[c.page] != state]
+        fresh = [c for c in moved if before[c.page] == "free"] if state == "in_use" else moved
+        hits = [c for c in moved if before[c.page] == "cached"] if state == "in_use" else []
         if fresh:
             parts.append(f"{_count(len(fresh), 'page')} {label}")
         if hits:
@@ -108,18 +108,20 @@ def narrate(recording: Recording, index: int) -> str:
     return f"step {sample.step}: {who}; {computed}" + ("; " + ", ".join(parts) if parts else "")
 
 
-def _states_before(recording: Recording, index: int, pages: set[int]) -> dict[int, PageRecord]:
-    """These pages as they were after the first ``index`` samples: each one's latest change, else the base.
-    Walks back from ``index`` and stops once every page is found (usually within a few steps)."""
-    found: dict[int, PageRecord] = {}
+def _states_before(recording: Recording, index: int, pages: set[int]) -> dict[int, str]:
+    """These pages' states after the first ``index`` samples: each one's latest change, else the base, else "free".
+    Walks back from ``index`` and stops once every page is found (usually within a few steps). A page can be in
+    neither: the vLLM backend's pages are the blocks its KV events told of, so one first stored during the run is
+    absent from the base (it was free to us)."""
+    found: dict[int, str] = {}
     for sample in reversed(recording.samples[:index]):
         for change in sample.page_changes:
             if change.page in pages and change.page not in found:
-                found[change.page] = change
+                found[change.page] = change.state
         if len(found) == len(pages):
             return found
-    base = {p.page: p for p in recording.base.pages}
-    return {page: found.get(page) or base[page] for page in pages}
+    base = {p.page: p.state for p in recording.base.pages}
+    return {page: found.get(page) or base.get(page, "free") for page in pages}
 
 
 def _count(n: int, noun: str) -> str:
