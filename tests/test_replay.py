@@ -65,3 +65,4 @@ def test_narration_of_a_page_the_base_never_held():
     )  # fmt: skip
     recording = Recording(CacheSnapshot(4, ()), (sample,), (7,))
     assert narrate(recording, 1).endswith("panel 1 admitted, 1 page allocated")
+    assert pages_at(recording, 1) == [stored]

@@ -45,7 +45,7 @@ def pages_at(recording: Recording, index: int) -> list[PageRecord]:
     lru = [p.page for p in sorted(recording.base.pages, key=_rank) if p.state == "cached"]
     for sample in recording.samples[:index]:
         for change in sample.page_changes:
-            was_cached = pages[change.page].state == "cached"
+            was_cached = change.page in pages and pages[change.page].state == "cached"  # vLLM: maybe unseen
             pages[change.page] = change
             if was_cached and change.state != "cached":
                 lru.remove(change.page)
