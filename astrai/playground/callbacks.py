@@ -195,7 +195,7 @@ class Playground:
         Gradio 6.31 makes each message of a streaming event cost every output a server-side postprocess and the
         browser an update, changed or not, and every event's status message makes its front end refresh the loading
         status of every component it has seen. In headless Chromium (tools/measure.py), the slowest of 4 panels
-        showed 6-10 updates a second with the badges, token colouring and table in the stream (19 outputs), 16-18
+        showed 5-10 updates a second with the badges, token colouring and table in the stream (19 outputs), 16-18
         with the six text boxes alone, and about 10 again when a timer brought the badges while the text streamed.
         """
         n, prefix, prompts, params = self._parse(
@@ -241,14 +241,16 @@ class Playground:
             visitor.without_cache = summary
         yield text()
 
-    def _details(self, request: gr.Request) -> dict:
-        """The badges, token colouring and request table of the visitor's latest run, and its recording extended
-        to the latest step."""
-        visitor = self.service.visitor(session_of(request))
-        self._follow(visitor)
+    def no_details(self) -> dict:
+        """Empty badges, token colouring and table: what a click on Run shows until ``after_run`` fills them."""
+        ui = self.ui
+        return {**{b: views.badge(None) for b in ui.badges}, **{h: None for h in ui.highlights}, ui.table: []}
+
+    def _details(self, visitor: Visitor) -> dict:
+        """The badges, token colouring and request table of the visitor's latest run."""
         shown, ui = visitor.shown, self.ui
         if shown is None:
-            return {**{b: views.badge(None) for b in ui.badges}, **{h: None for h in ui.highlights}, ui.table: []}
+            return self.no_details()
         infos = self._infos(list(shown.request_ids))
         decode, special = self.backend.decode, self.backend.special_ids()
         update: dict = {ui.table: views.request_rows(infos, list(shown.prompts))}
@@ -264,8 +266,8 @@ class Playground:
         its last step narrated, and the chart of what caching saved. Apart from the stream because resizing a
         slider is a costly prop update."""
         visitor = self.service.visitor(session_of(request))
-        update = self._details(request) | self._savings(visitor)
-        recording = visitor.recording
+        recording = self._follow(visitor)
+        update = self._details(visitor) | self._savings(visitor)
         steps = len(recording.samples) if recording else 0
         if visitor.following:
             update[self.ui.replay_step] = gr.Slider(maximum=max(steps, 1), value=steps)

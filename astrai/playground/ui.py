@@ -259,11 +259,8 @@ def _wire(app: Playground, ui: Components, demo: gr.Blocks, columns: list, c: di
 
     # A click first clears the last run's badges, token colouring and table (they would describe it while the new
     # run streams); the run then streams its text alone and ``after_run`` fills them in (see Playground._stream).
-    def clear_details():
-        return {**{badge: "" for badge in ui.badges}, **{box: None for box in ui.highlights}, ui.table: []}
-
     started = {
-        button: button.click(clear_details, None, details_outputs, queue=False, api_visibility="private")
+        button: button.click(app.no_details, None, details_outputs, queue=False, api_visibility="private")
         for button in (c["run_btn"], c["compare_btn"])
     }
     run_event = started[c["run_btn"]].then(
