@@ -174,6 +174,9 @@ def test_views_and_charts_say_n_a_for_what_vllm_does_not_report(fake_http):
             charts.prefix_tree(tree.prefix_tree(snapshot.pages, [], {}, "me", backend.decode), str)
             recording = replay.Recording(snapshot, tuple(history), ())
             replay.replay_series(recording, len(history))
+            replayed = replay.pages_at(recording, len(history))
+            assert all(p.lru_rank is None for p in replayed), "vLLM publishes no LRU order: replay must not invent one"
+            assert any(p.state == "cached" for p in replayed) or backend is without
             assert "n/a" in replay.narrate(recording, len(history)) or not history
     finally:
         with_events.shutdown()

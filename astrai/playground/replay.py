@@ -3,7 +3,9 @@
 A ``Recording`` is a base snapshot (the pool just before the run was submitted) plus every ``StepSample`` after
 it. Each sample carries the pages that changed in that step (as full records) and the tokens it appended, so the
 pool after step k is the base with the changes of steps 1..k applied in order. LRU ranks are rebuilt the same way
-the pool builds its LRU: a page joins the back when it becomes cached and leaves when it stops being cached.
+the pool builds its LRU: a page joins the back when it becomes cached and leaves when it stops being cached. A
+backend that does not publish its LRU order (vLLM) records cached pages without a rank, and their replay keeps
+none: a rank is rebuilt only for pages whose record had one, never invented.
 
 One approximation, said here rather than hidden: if the base snapshot was taken while another visitor's step was
 in flight, and in that same step a cached page was hit and released again, that page's LRU rank can be off in
@@ -52,7 +54,10 @@ def pages_at(recording: Recording, index: int) -> list[PageRecord]:
             elif change.state == "cached" and not was_cached:
                 lru.append(change.page)
     ranks = {page: rank for rank, page in enumerate(lru)}
-    return [dataclasses.replace(p, lru_rank=ranks.get(p.page)) for p in (pages[i] for i in sorted(pages))]
+    return [
+        dataclasses.replace(p, lru_rank=ranks.get(p.page) if p.lru_rank is not None else None)
+        for p in (pages[i] for i in sorted(pages))
+    ]
 
 
 def _rank(record: PageRecord) -> int:
