@@ -29,6 +29,10 @@ from astrai.playground.service import PlaygroundService
 
 DEFAULT_PANELS = 4
 REFRESH_SECONDS = 1.0
+# Events that show no progress also register none: Gradio's front end refreshes, at every status message of every
+# event (each streamed text message among them), the loading status of every component any event has shown progress
+# on, cloning its props. Left on all outputs, that was 60-odd components a message (tests/test_app.py keeps it at 3).
+QUIET = {"show_progress": "hidden", "show_progress_on": []}
 REPLAY_TICK_SECONDS = 0.2
 RUN_CONCURRENCY = int(os.environ.get("ASTRAI_RUN_CONCURRENCY", 16))  # runs streaming at once (more wait in the queue)
 QUEUE_SIZE = 64  # waiting events beyond this get an immediate "queue is full" answer
@@ -241,6 +245,7 @@ def _wire(app: Playground, ui: Components, demo: gr.Blocks, columns: list, c: di
         columns,
         queue=False,
         api_visibility="private",
+        **QUIET,
     )
     run_inputs = [
         ui.n_panels,
@@ -260,7 +265,7 @@ def _wire(app: Playground, ui: Components, demo: gr.Blocks, columns: list, c: di
     # A click first clears the last run's badges, token colouring and table (they would describe it while the new
     # run streams); the run then streams its text alone and ``after_run`` fills them in (see Playground._stream).
     started = {
-        button: button.click(app.no_details, None, details_outputs, queue=False, api_visibility="private")
+        button: button.click(app.no_details, None, details_outputs, queue=False, api_visibility="private", **QUIET)
         for button in (c["run_btn"], c["compare_btn"])
     }
     run_event = started[c["run_btn"]].then(
@@ -284,13 +289,15 @@ def _wire(app: Playground, ui: Components, demo: gr.Blocks, columns: list, c: di
         show_progress_on=ui.outputs[0],
     )
     # API clients call /after_run themselves once /run returns (the browser chains it): see tests/test_app.py
-    run_event.then(app.after_run, None, after_outputs, api_name="after_run", show_progress="hidden")
-    compare_event.then(app.after_run, None, after_outputs, api_visibility="private", show_progress="hidden")
+    run_event.then(app.after_run, None, after_outputs, api_name="after_run", **QUIET)
+    compare_event.then(app.after_run, None, after_outputs, api_visibility="private", **QUIET)
     c["stop_btn"].click(fn=None, cancels=[run_event, compare_event], api_name="stop").then(
-        app.after_run, None, after_outputs, api_visibility="private", show_progress="hidden"
+        app.after_run, None, after_outputs, api_visibility="private", **QUIET
     )
     c["clear_btn"].click(app.clear_cache, api_name="clear_cache", concurrency_limit=4)
-    c["follow_btn"].click(app.follow_up, [ui.n_panels, *ui.prompts, *ui.outputs], ui.prompts, api_visibility="private")
+    c["follow_btn"].click(
+        app.follow_up, [ui.n_panels, *ui.prompts, *ui.outputs], ui.prompts, api_visibility="private", **QUIET
+    )
     c["apply_btn"].click(
         app.apply_settings,
         [c["model"], c["page_size"], c["n_pages"], c["max_batch"], c["prefix_caching"], c["dtype"]],
@@ -308,6 +315,7 @@ def _wire(app: Playground, ui: Components, demo: gr.Blocks, columns: list, c: di
         api_name="load_scenario",
         concurrency_limit=1,
         concurrency_id="rebuild",
+        show_progress_on=ui.scenario_note,
     )
     for button, delta in ((c["lesson_prev"], -1), (c["lesson_next"], 1)):
         button.click(
@@ -317,28 +325,31 @@ def _wire(app: Playground, ui: Components, demo: gr.Blocks, columns: list, c: di
             api_visibility="private",
             concurrency_limit=1,
             concurrency_id="rebuild",
+            show_progress_on=ui.scenario_note,
         ).then(fn=None, inputs=ui.scenario_note, js=HIGHLIGHT_JS)
 
     live_outputs = [ui.page_map, *ui.plots, ui.prefix_tree, ui.stats, ui.view_state]
     replay_outputs = [ui.replay_step, ui.replay_note, ui.page_map, *ui.plots, ui.prefix_tree, *ui.outputs]
     replay_outputs += [ui.replay_timer]
     timer = gr.Timer(REFRESH_SECONDS)
-    c["live"].change(lambda on: gr.Timer(active=bool(on)), c["live"], timer, queue=False, api_visibility="private")
+    c["live"].change(
+        lambda on: gr.Timer(active=bool(on)), c["live"], timer, queue=False, api_visibility="private", **QUIET
+    )
     timer.tick(
         app.refresh,
         ui.view_state,
         live_outputs,
         api_visibility="undocumented",
         concurrency_limit=8,
-        show_progress="hidden",
+        **QUIET,
     )
-    demo.load(app.refresh, ui.view_state, live_outputs, api_visibility="private")
+    demo.load(app.refresh, ui.view_state, live_outputs, api_visibility="private", **QUIET)
     ui.replay_step.input(
         app.show_step,
         ui.replay_step,
         replay_outputs,
         api_name="show_step",
-        show_progress="hidden",
+        **QUIET,
         trigger_mode="always_last",
     )
     for button, delta in ((c["step_back"], -1), (c["step_fwd"], 1)):
@@ -347,15 +358,14 @@ def _wire(app: Playground, ui: Components, demo: gr.Blocks, columns: list, c: di
             ui.replay_step,
             replay_outputs,
             api_visibility="private",
-            show_progress="hidden",
+            **QUIET,
         )
     for button, speed in ((c["play_1x"], "1x"), (c["play_slow"], "quarter")):
-        button.click(_bind(app.play, speed=speed), ui.replay_step, [ui.replay_timer], api_visibility="private")
-    c["pause_btn"].click(app.pause, None, [ui.replay_timer], api_visibility="private")
-    ui.replay_timer.tick(
-        app.tick, None, replay_outputs, api_visibility="private", show_progress="hidden", concurrency_limit=8
-    )
-    c["live_btn"].click(app.live, None, [ui.replay_timer, ui.replay_step, ui.view_state], api_visibility="private")
+        button.click(_bind(app.play, speed=speed), ui.replay_step, [ui.replay_timer], api_visibility="private", **QUIET)
+    c["pause_btn"].click(app.pause, None, [ui.replay_timer], api_visibility="private", **QUIET)
+    ui.replay_timer.tick(app.tick, None, replay_outputs, api_visibility="private", concurrency_limit=8, **QUIET)
+    live = [ui.replay_timer, ui.replay_step, ui.view_state]
+    c["live_btn"].click(app.live, None, live, api_visibility="private", **QUIET)
 
 
 def _bind(method, **fixed):
