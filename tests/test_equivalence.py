@@ -8,6 +8,8 @@ import torch
 from astrai import InferenceEngine
 from tests.support.tiny_models import FAMILIES, make_model, make_tokenizer, reference_generate
 
+pytestmark = pytest.mark.usefixtures("pack_every_layer")
+
 PAGE = 4
 NEW_TOKENS = 16
 PROMPTS = [
