@@ -29,7 +29,9 @@ MAX_PANELS = 6
 MAX_PROMPT_CHARS = 2000
 MAX_NEW_TOKENS = 256
 TEXT_EVERY_S = 0.04  # panel text: at most one update per 40 ms (gradio sends every yield)
-MESSAGES_PER_S = 50  # stream messages the server sends per second, all runs together; more runs, fewer each
+# Stream messages the server sends per second, all runs together; more runs, fewer each. 40, not 50: since runs keep
+# their cadence (Pacer), 50 cost 16 visitors 5-19% of the engine's tokens/s (tools/loadtest.py, 3 A/B pairs).
+MESSAGES_PER_S = 40
 SPEEDS = {"1x": 1.0, "quarter": 0.25}
 MAX_GHOSTS = 64  # evicted pages kept for the tree's next drawing
 OCCUPANCY_STREAMING_S = 4.0  # while the visitor's own text streams, the occupancy chart is redrawn this seldom
