@@ -11,14 +11,10 @@ What it reads, and from where (every HTTP call has a timeout; nothing here can h
   four times a second into ``StepSample``s. vLLM has no engine steps we can see, so a "step" here is a sample in
   which something changed; its ``page_changes`` come from the KV-event tracker, ``prefill_tokens`` /
   ``decode_tokens`` are ``None`` (not reported per step).
-- **Pages**: vLLM's KV-cache events (``vllm_events.KvEventSubscriber``). Each cached block gets a stable slot (its
-  "page" number) while it stays cached; a block is "in_use" only while one of this app's running requests holds
-  its tokens at its position (a request holds every block of its sequence), otherwise "cached". vLLM does not
-  publish ref counts, the LRU order or per-block hits: those fields are ``None``. Cached-but-unused blocks in
+- **Pages and owners**: vLLM's KV-cache events (``vllm_events.KvEventSubscriber``), turned into pages with stable
+  numbers and attributed to this app's requests by ``vllm_pages.BlockPages``. Cached-but-unused blocks in
   ``stats()`` are *derived* (blocks stored − removed − in use by ``kv_cache_usage_perc``), and say so
   (``derived``).
-- **Owners**: a block is attributed (``stored_by`` / ``requests``) to this app's request whose tokens contain the
-  block's tokens at the block's position, so the service's request → (session, panel) map colours it.
 
 Faults: a server that is down, restarting or answering errors fails each panel with a message saying so; the
 sampler notices, ``stats()`` raises ``BackendUnavailable`` (the UI says "backend unreachable"), and when the
@@ -29,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import heapq
 import itertools
 import queue
 import threading
@@ -44,19 +39,16 @@ import httpx
 import openai
 
 from astrai.observation import (
-    CacheCleared,
     CacheSnapshot,
     CacheStats,
     EngineEvent,
-    PageEvicted,
-    PageRecord,
-    PageStored,
     RequestInfo,
     StepSample,
 )
 from astrai.playground.backend import BackendUnavailable, RunFailed, chat_messages, format_prompt
-from astrai.playground.vllm_events import BlockHash, KvEventSubscriber, TrackerSnapshot
+from astrai.playground.vllm_events import KvEventSubscriber, TrackerSnapshot
 from astrai.playground.vllm_metrics import MetricsParseError, VllmMetrics, parse_metrics
+from astrai.playground.vllm_pages import BlockPages
 from astrai.sampling import SamplingParams
 
 HTTP_TIMEOUT = httpx.Timeout(5.0, connect=2.0)
@@ -95,14 +87,6 @@ class _Request:
     first_at: float | None = None
     last_at: float | None = None
     error: str | None = None
-
-
-def _key(block_hash: BlockHash | None) -> bytes | None:
-    if block_hash is None:
-        return None
-    if isinstance(block_hash, bytes):
-        return block_hash
-    return block_hash.to_bytes(9, "big", signed=True)  # 64-bit hashes, either sign
 
 
 def cache_salt(salt: str) -> str:
@@ -245,15 +229,10 @@ class VllmBackend:
         self._seq = 0
         self._samples: deque[StepSample] = deque(maxlen=KEEP_SAMPLES)
         self._events: deque[EngineEvent] = deque(maxlen=KEEP_EVENTS)
-        self._pages: dict[int, PageRecord] = {}
-        self._slots: dict[BlockHash, int] = {}
-        self._free_slots: list[int] = []
-        self._n_slots = 0
-        self._epoch: tuple[int, int, int] = (0, 0, 0)  # tracker clears, restarts, resets
+        self._pages = BlockPages()
         self._last_counts: dict[str, float] = {}
         self._cursor: dict[int, int] = {}  # request id -> output tokens already put in a sample
         self._last_signature: tuple = ()
-        self._pages_inputs: tuple = ()
         if subscriber is None and kv_events:
             subscriber = KvEventSubscriber(kv_events, replay_endpoint=kv_replay, topic="")
         self._subscriber = subscriber
@@ -598,7 +577,8 @@ class VllmBackend:
 
     def snapshot(self) -> CacheSnapshot:
         with self._lock:
-            return CacheSnapshot(self._step, tuple(self._pages[p] for p in sorted(self._pages)))
+            pages = self._pages.pages
+            return CacheSnapshot(self._step, tuple(pages[p] for p in sorted(pages)))
 
     def events(self, after: int) -> list[EngineEvent]:
         with self._lock:
@@ -640,7 +620,7 @@ class VllmBackend:
         snap = self._tracker() if self._subscriber is not None else None
         with self._lock:
             recovered = self._unreachable is not None and self._metrics is not None
-            restarted = snap is not None and snap.restarts > self._epoch[1]
+            restarted = snap is not None and snap.restarts > self._pages.epoch[1]
             if recovered or restarted:
                 self._generation += 1  # the cache behind us may be another one now
             self._unreachable = None
@@ -653,7 +633,8 @@ class VllmBackend:
         """Turn the newest metrics and tracker state into events, pages and (when anything moved) a sample."""
         now = time.time()
         with self._lock:
-            changes, events = self._update_pages(snap, now)
+            recent = list(self._requests.values())[-MATCH_RECENT:]
+            changes, events = self._pages.update(snap, recent, now) if snap is not None else ([], [])
             counts = {
                 "hits": metrics.prefix_cache_hits or 0.0,
                 "queries": metrics.prefix_cache_queries or 0.0,
@@ -707,109 +688,6 @@ class VllmBackend:
                     page_changes=tuple(changes),
                 )
             )
-
-    def _update_pages(self, snap: TrackerSnapshot | None, now: float) -> tuple[list[PageRecord], list]:
-        """Diff the tracker's blocks against the pages we show: stable slots, events, changed records.
-
-        Events are returned as factories ``(seq, step) -> event``, stamped by the caller. Called under the lock.
-        """
-        if snap is None:
-            return [], []
-        recent = list(self._requests.values())[-MATCH_RECENT:]
-        epoch = (snap.clears, snap.restarts, snap.resets)
-        inputs = (snap.last_seq, epoch, tuple((r.id, r.status, len(r.prompt_ids), len(r.output_ids)) for r in recent))
-        if inputs == self._pages_inputs:
-            return [], []  # neither the blocks nor the requests that own them moved
-        self._pages_inputs = inputs
-        events: list = []
-        if epoch != self._epoch:  # cleared, restarted or resynced: every slot is free again
-            cleared = sum(1 for p in self._pages.values() if p.state != "free")
-            self._epoch = epoch
-            if self._slots:
-                events.append(lambda seq, step, k=cleared: CacheCleared(seq, step, now, k))
-            self._slots.clear()
-            self._free_slots = list(range(self._n_slots))  # sorted: a heap
-        blocks = snap.blocks
-        bs = snap.block_size or 0
-        # slots: release the blocks that left, give the new ones the lowest free slot
-        for block_hash in [h for h in self._slots if h not in blocks]:
-            slot = self._slots.pop(block_hash)
-            heapq.heappush(self._free_slots, slot)
-            old = self._pages.get(slot)
-            if old is not None and old.key is not None:
-                events.append(
-                    lambda seq, step, o=old: PageEvicted(seq, step, now, o.page, o.key, o.parent_key, o.token_ids)
-                )
-        new_hashes = [h for h in blocks if h not in self._slots]
-        for block_hash in sorted(new_hashes, key=lambda h: blocks[h].stored_seq):
-            if self._free_slots:
-                slot = heapq.heappop(self._free_slots)
-            else:
-                slot, self._n_slots = self._n_slots, self._n_slots + 1
-            self._slots[block_hash] = slot
-        # who holds which tokens: (position, tokens) -> this app's requests, newest last
-        index: dict[tuple[int, tuple[int, ...]], list[int]] = {}
-        anywhere: dict[tuple[int, ...], list[int]] = {}
-        live = set()
-        if bs:
-            for request in recent:
-                sequence = (*request.prompt_ids, *request.output_ids)
-                for k in range(len(sequence) // bs):
-                    chunk = tuple(sequence[k * bs : (k + 1) * bs])
-                    index.setdefault((k, chunk), []).append(request.id)
-                    anywhere.setdefault(chunk, []).append(request.id)
-                if request.status == "running":
-                    live.add(request.id)
-        depth: dict[BlockHash, int] = {}  # -1: unknown (an ancestor is not held)
-
-        def chain_pos(block_hash: BlockHash) -> int:
-            path: list[BlockHash] = []
-            cur: BlockHash | None = block_hash
-            while cur is not None and cur in blocks and cur not in depth:
-                path.append(cur)
-                cur = blocks[cur].parent_hash
-            if cur is None:
-                base: int | None = -1  # reached the chain's first block
-            elif cur in depth and depth[cur] >= 0:
-                base = depth[cur]
-            else:
-                base = None
-            for i, node in enumerate(reversed(path)):
-                depth[node] = -1 if base is None else base + 1 + i
-            return depth[block_hash]
-
-        pages: dict[int, PageRecord] = {}
-        for block_hash, slot in self._slots.items():
-            block = blocks[block_hash]
-            pos = chain_pos(block_hash)
-            owners = index.get((pos, block.token_ids), []) if pos >= 0 else anywhere.get(block.token_ids, [])
-            holding = tuple(r for r in owners if r in live)
-            pages[slot] = PageRecord(
-                page=slot,
-                state="in_use" if holding else "cached",
-                ref_count=None,
-                lru_rank=None,
-                requests=holding,
-                chain_pos=pos,
-                key=_key(block_hash),
-                parent_key=_key(block.parent_hash),
-                stored_by=min(owners) if owners else None,
-                hits=None,
-                token_ids=block.token_ids,
-            )
-            previous = self._pages.get(slot)
-            if previous is None or previous.key != pages[slot].key:
-                events.append(
-                    lambda seq, step, p=pages[slot]: PageStored(
-                        seq, step, now, p.page, p.key, p.parent_key, p.chain_pos, p.stored_by, p.token_ids
-                    )
-                )
-        for slot in range(self._n_slots):
-            if slot not in pages:
-                pages[slot] = PageRecord(slot, "free", 0, None, (), -1, None, None, None, 0, ())
-        changes = [p for slot, p in sorted(pages.items()) if self._pages.get(slot) != p]
-        self._pages = pages
-        return changes, events
 
 
 __all__ = ["VllmBackend", "VllmRun", "cache_salt"]
