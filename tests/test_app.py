@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -273,8 +274,11 @@ def test_browser_laptop_screen_shows_panels_and_cache_together_then_replay_tree_
     )
     page.wait_for_selector("#page_map .js-plotly-plot", timeout=10000)
     for view in ("#run_btn", "#out_0", "#out_3", "#page_map .js-plotly-plot", "#plot_0 .js-plotly-plot"):
-        box = page.locator(view).bounding_box()
-        assert in_view(page, view), f"{view} is not on the 1366x768 screen without scrolling: {box}"
+        # polled: CI once read a box in view and, a moment later, one that was not, while the charts redrew
+        in_view_now = functools.partial(in_view, page, view)
+        assert wait_until(in_view_now, timeout=5, interval=0.1), (
+            f"{view} is not on the 1366x768 screen without scrolling: {page.locator(view).bounding_box()}"
+        )
     page.wait_for_function(
         "(document.querySelector('#requests').innerText.match(/finished/g) || []).length >= 4", timeout=60000
     )
