@@ -364,8 +364,8 @@ def _wire(app: Playground, ui: Components, demo: gr.Blocks, columns: list, c: di
         button.click(_bind(app.play, speed=speed), ui.replay_step, [ui.replay_timer], api_visibility="private", **QUIET)
     c["pause_btn"].click(app.pause, None, [ui.replay_timer], api_visibility="private", **QUIET)
     ui.replay_timer.tick(app.tick, None, replay_outputs, api_visibility="private", concurrency_limit=8, **QUIET)
-    live = [ui.replay_timer, ui.replay_step, ui.view_state]
-    c["live_btn"].click(app.live, None, live, api_visibility="private", **QUIET)
+    back_to_live = [ui.replay_timer, ui.replay_step, ui.view_state]
+    c["live_btn"].click(app.live, None, back_to_live, api_visibility="private", **QUIET)
 
 
 def _bind(method, **fixed):
