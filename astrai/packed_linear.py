@@ -7,11 +7,12 @@ SmolLM2-135M-shaped float32 decode step 1.4-1.6x faster, and 512-row products (p
 (``docs/benchmarks.md``). torch's inductor packs CPU linear weights the same way when it freezes a model.
 
 Only where it pays: a oneDNN call has a fixed cost (about 40 us here), so in float32 a weight of fewer than
-``MIN_FLOAT32_ELEMENTS`` runs faster through torch's own GEMM. Measured per matrix at 8 and 64 rows: a 256x256
-weight took 55 us packed against 31 us plain, a 576x576 one 124 against 149, the 4096x256 output head 295 against
-415; the embedded model's float32 decode step is 1.2x faster packing only its output head than packing all 43
-layers, and the SmolLM2-shaped one is unchanged (its 192x576 key and value projections stay plain). In bfloat16
-packing won at every size measured (1.2-1.5x), so every layer is packed.
+``MIN_FLOAT32_ELEMENTS`` runs faster through torch's own GEMM. Measured per matrix at 8 and 64 rows (one run, the
+median of 200 calls each): a 256x256 weight took 55 us packed against 31 us plain, a 576x576 one 124 against 149,
+the 4096x256 output head 295 against 415. The embedded model's float32 decode step is 1.2x faster packing only its
+output head than packing all 43 layers (3 interleaved rounds), and the SmolLM2-shaped one is unchanged (its 192x576
+key and value projections stay plain). In bfloat16 packing won at every size measured (1.2-1.5x), so every layer is
+packed.
 
 The model's architecture is untouched: each ``nn.Linear`` module is swapped for a ``PackedLinear`` that computes
 the same product, and ``unpack_linears`` puts the original modules, with their exact weights, back. The two oneDNN

@@ -61,7 +61,7 @@ def test_run_streams_every_panel_and_equals_the_engine(client):
 def test_only_three_components_ever_carry_a_loading_status(server_url):
     """Gradio's front end refreshes, at every status message of every event (each streamed message among them),
     the loading status of every component that any event has shown progress on, cloning its props: with the
-    defaults (progress on all outputs) that was 60-odd components a message, and the streamed text lagged."""
+    defaults (progress on all outputs) up to 56 components a message, and the streamed text lagged."""
     import urllib.request
 
     config = json.load(urllib.request.urlopen(server_url + "config", timeout=10))

@@ -31,7 +31,7 @@ DEFAULT_PANELS = 4
 REFRESH_SECONDS = 1.0
 # Events that show no progress also register none: Gradio's front end refreshes, at every status message of every
 # event (each streamed text message among them), the loading status of every component any event has shown progress
-# on, cloning its props. Left on all outputs, that was 60-odd components a message (tests/test_app.py keeps it at 3).
+# on, cloning its props. Left on all outputs, up to 56 components a message (tests/test_app.py keeps it at 3).
 QUIET = {"show_progress": "hidden", "show_progress_on": []}
 REPLAY_TICK_SECONDS = 0.2
 RUN_CONCURRENCY = int(os.environ.get("ASTRAI_RUN_CONCURRENCY", 16))  # runs streaming at once (more wait in the queue)
