@@ -1,18 +1,22 @@
-"""Linear layers with their weights pre-packed once into oneDNN's blocked layout.
+"""Linear layers served from weights laid out once for speed: sibling projections fused, and packed for oneDNN.
 
-Why: a decode step multiplies a handful of rows (one per request) by every weight matrix of the model. For such
-skinny products, torch's default CPU GEMM re-lays the weight out on every call and leaves most of the memory
-bandwidth unused; oneDNN with a weight packed ahead of time streams it. On a 2-core machine this makes a
-SmolLM2-135M-shaped float32 decode step 1.4-1.6x faster, and 512-row products (prefill chunks) 1.3-1.5x
-(``docs/benchmarks.md``). torch's inductor packs CPU linear weights the same way when it freezes a model.
+Why: a decode step multiplies a handful of rows (one per request) by every weight matrix of the model. Such
+skinny products are bound by streaming the weights and by each call's fixed cost, so two things pay:
 
-Only where it pays: a oneDNN call has a fixed cost (about 40 us here), so in float32 a weight of fewer than
-``MIN_FLOAT32_ELEMENTS`` runs faster through torch's own GEMM. Measured per matrix at 8 and 64 rows (one run, the
-median of 200 calls each): a 256x256 weight took 55 us packed against 31 us plain, a 576x576 one 124 against 149,
-the 4096x256 output head 295 against 415. The embedded model's float32 decode step is 1.2x faster packing only its
-output head than packing all 43 layers (3 interleaved rounds), and the SmolLM2-shaped one is unchanged (its 192x576
-key and value projections stay plain). In bfloat16 packing won at every size measured (1.2-1.5x), so every layer is
-packed.
+- **Packing.** torch's default CPU GEMM re-lays a weight out on every call and leaves most of the memory bandwidth
+  unused; oneDNN with a weight packed ahead of time streams it. On a 2-core machine this made a SmolLM2-135M-shaped
+  float32 decode step 1.4-1.6x faster, and 512-row products (prefill chunks) 1.3-1.5x (``docs/benchmarks.md``).
+  torch's inductor packs CPU linear weights the same way when it freezes a model. A oneDNN call has a fixed cost
+  (about 40 us), so in float32 a weight of fewer than ``MIN_FLOAT32_ELEMENTS`` runs faster through torch's own GEMM
+  (per matrix at 8 and 64 rows, one run, the median of 200 calls each: a 256x256 weight took 55 us packed against
+  31 us plain, a 576x576 one 124 against 149). In bfloat16 packing won at every size measured, so all are packed.
+- **Fusing siblings.** Attention applies its query, key and value projections, and a gated MLP its gate and up
+  projections, to one and the same input. Computed as one product over the rows of their weights stacked, each
+  group costs one call instead of two or three, and its small members (a GQA model's key and value projections)
+  ride on the large one's efficiency. vLLM's model definitions fuse the same groups (its QKV and merged gate-up
+  layers); here the fusion is in the weights only: transformers' modules still call ``q_proj``, ``k_proj`` and
+  ``v_proj`` one by one, and the first call computes the whole group's product, which the others then take their
+  columns of.
 
 The model's architecture is untouched: each ``nn.Linear`` module is swapped for a ``PackedLinear`` that computes
 the same product, and ``unpack_linears`` puts the original modules, with their exact weights, back. The two oneDNN
@@ -22,13 +26,17 @@ falls back to the model's own layers.
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 BATCH_HINT = 8  # rows oneDNN tunes the packed layout for; any row count works
 MIN_FLOAT32_ELEMENTS = 1 << 18  # smaller float32 weights stay plain (see above)
+# child names of the projections that one module applies to one input (transformers' Llama-style naming)
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def packing_supported(dtype: torch.dtype) -> bool:
@@ -40,53 +48,124 @@ def packing_supported(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-class PackedLinear(nn.Module):
-    """Computes ``linear(x)`` from a packed copy of its weight.
+def worth_packing(weight: torch.Tensor) -> bool:
+    return weight.dtype != torch.float32 or weight.numel() >= MIN_FLOAT32_ELEMENTS
 
-    The original module is kept (unregistered, so the model's parameters are not listed twice) for ``unpack``.
-    Its weight's storage is released while packed unless another module shares it (a tied embedding, say).
+
+class FusedProduct:
+    """One product for sibling linear layers that read the same input: ``x @ [W_1; W_2; ...]^T``, split by columns.
+
+    Invariant: a member's output is the product of the input it was called with. The group's product is computed
+    when a member is called with an input the group has not computed yet (a different tensor object, or one whose
+    part that member already took), and dropped once every member took its part, so no step's activations outlive
+    it. Inputs are compared by identity: the model's modules do not modify their input between sibling calls, and
+    the engine runs the model on one thread. Each member's original ``nn.Linear`` is kept (unregistered, so the
+    model's parameters are not listed twice) for ``unpack``; its weight's storage is released while fused unless
+    another module shares it (a tied embedding, say).
     """
 
-    def __init__(self, linear: nn.Linear, release: bool):
+    def __init__(self, linears: list[nn.Linear], release: list[bool]):
+        weight = torch.cat([linear.weight.detach() for linear in linears])
+        self.packed = worth_packing(weight)
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT) if self.packed else weight
+        biases = [linear.bias for linear in linears]
+        self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        self.widths = [linear.out_features for linear in linears]
+        self.originals = list(zip(linears, release, strict=True))
+        self._input: weakref.ref[torch.Tensor] | None = None
+        self._parts: tuple[torch.Tensor, ...] = ()
+        self._taken: set[int] = set()
+        for linear, released in self.originals:
+            if released:
+                linear.weight.data = linear.weight.data.new_empty(0)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        if len(self.widths) == 1:
+            return self.product(x)
+        if self._input is None or self._input() is not x or index in self._taken:
+            self._parts = self.product(x).split(self.widths, dim=-1)
+            self._input, self._taken = weakref.ref(x), set()
+        self._taken.add(index)
+        part = self._parts[index]
+        if len(self._taken) == len(self.widths):
+            self._input, self._parts = None, ()
+        return part
+
+    def unpacked(self) -> list[nn.Linear]:
+        dense = self.weight.to_dense() if self.packed else self.weight
+        for (linear, released), rows in zip(self.originals, dense.split(self.widths), strict=True):
+            if released:
+                linear.weight.data = rows.clone()
+        return [linear for linear, _ in self.originals]
+
+
+class PackedLinear(nn.Module):
+    """Stands in for one ``nn.Linear``: its columns of a ``FusedProduct`` (a group of one when it has no siblings)."""
+
+    def __init__(self, group: FusedProduct, index: int):
         super().__init__()
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), BATCH_HINT)
-        self.bias = linear.bias
-        self._original = (linear, release)
-        if release:
-            linear.weight.data = linear.weight.data.new_empty(0)
+        self.group = group
+        self.index = index
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-
-    def unpacked(self) -> nn.Linear:
-        linear, released = self._original
-        if released:
-            linear.weight.data = self.packed_weight.to_dense()
-        return linear
-
-
-def worth_packing(linear: nn.Linear) -> bool:
-    return linear.weight.dtype != torch.float32 or linear.weight.numel() >= MIN_FLOAT32_ELEMENTS
+        return self.group.part(self.index, x)
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Swap every plain ``nn.Linear`` of ``model`` that is worth packing for a ``PackedLinear``; return how many
-    were swapped."""
+    """Swap every plain ``nn.Linear`` of ``model`` for a ``PackedLinear``, siblings fused; return how many of them
+    run from a packed weight."""
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    swapped = 0
-    for name, module in list(model.named_modules()):
-        # subclasses (quantized layers, say) compute something else
-        if type(module) is nn.Linear and worth_packing(module):
-            _set_submodule(model, name, PackedLinear(module, release=uses[id(module.weight)] == 1))
-            swapped += 1
-    return swapped
+    packed = 0
+    for names in _groups(model):
+        linears = [model.get_submodule(name) for name in names]
+        if len(linears) == 1 and not worth_packing(linears[0].weight):
+            continue  # one small float32 layer gains nothing from standing in
+        group = FusedProduct(linears, release=[uses[id(linear.weight)] == 1 for linear in linears])
+        for index, name in enumerate(names):
+            _set_submodule(model, name, PackedLinear(group, index))
+        packed += len(names) * group.packed
+    return packed
+
+
+def _groups(model: nn.Module) -> list[list[str]]:
+    """The names of the model's plain ``nn.Linear`` modules, siblings that can share one product together."""
+    # subclasses (quantized layers, say) compute something else
+    linears = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
+    groups = []
+    for siblings in SIBLINGS:
+        for name, _ in model.named_modules():
+            names = [f"{name}.{child}" if name else child for child in siblings]
+            members = [linears.get(n) for n in names]
+            if all(m is not None for m in members) and _fusable(members):
+                groups.append(names)
+                for n in names:
+                    del linears[n]
+    return groups + [[name] for name in linears]
+
+
+def _fusable(linears: list[nn.Linear]) -> bool:
+    first = linears[0]
+    return all(
+        m.in_features == first.in_features
+        and m.weight.dtype == first.weight.dtype
+        and (m.bias is None) == (first.bias is None)
+        for m in linears
+    )
 
 
 def unpack_linears(model: nn.Module) -> None:
     """Put back the original ``nn.Linear`` modules, with their exact weights."""
+    restored: dict[int, list[nn.Linear]] = {}
     for name, module in list(model.named_modules()):
         if isinstance(module, PackedLinear):
-            _set_submodule(model, name, module.unpacked())
+            if id(module.group) not in restored:
+                restored[id(module.group)] = module.group.unpacked()
+            _set_submodule(model, name, restored[id(module.group)][module.index])
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -1,4 +1,4 @@
-"""Packed linear layers compute what nn.Linear computes, and the model comes back exactly as it was."""
+"""Packed and fused linear layers compute what nn.Linear computes, and the model comes back exactly as it was."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from astrai import InferenceEngine
-from astrai.packed_linear import PackedLinear, pack_linears, packing_supported, unpack_linears
+from astrai.packed_linear import FusedProduct, PackedLinear, pack_linears, packing_supported, unpack_linears
 from tests.support.tiny_models import make_model, reference_generate
 
 pytestmark = [
@@ -23,7 +23,7 @@ def test_packed_linear_matches_nn_linear(rows, bias):
     linear = nn.Linear(96, 160, bias=bias)
     x = torch.randn(1, rows, 96)
     expected = linear(x)
-    packed = PackedLinear(linear, release=False)
+    packed = PackedLinear(FusedProduct([linear], release=[False]), 0)
     torch.testing.assert_close(packed(x), expected, rtol=1e-5, atol=1e-5)
 
 
@@ -32,7 +32,46 @@ def test_bfloat16_packed_linear_matches():
         pytest.skip("this CPU has no oneDNN bfloat16 support")
     linear = nn.Linear(64, 48).to(torch.bfloat16)
     x = torch.randn(5, 64, dtype=torch.bfloat16)
-    torch.testing.assert_close(PackedLinear(linear, release=False)(x), linear(x), rtol=2e-2, atol=2e-2)
+    packed = PackedLinear(FusedProduct([linear], release=[False]), 0)
+    torch.testing.assert_close(packed(x), linear(x), rtol=2e-2, atol=2e-2)
+
+
+class Attention(nn.Module):
+    """The projections of a GQA attention block, named as transformers names them."""
+
+    def __init__(self, bias: bool):
+        super().__init__()
+        self.q_proj = nn.Linear(64, 64, bias=bias)
+        self.k_proj = nn.Linear(64, 32, bias=bias)
+        self.v_proj = nn.Linear(64, 32, bias=bias)
+        self.o_proj = nn.Linear(64, 64, bias=False)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_sibling_projections_share_one_product_of_each_input(bias, monkeypatch):
+    """q, k and v of one input come from one product; a new input (or a member called twice) gets a new one."""
+    torch.manual_seed(0)
+    block = Attention(bias)
+    x, y = torch.randn(1, 5, 64), torch.randn(1, 5, 64)
+    expected = {name: (getattr(block, name)(x), getattr(block, name)(y)) for name in ("q_proj", "k_proj", "v_proj")}
+    pack_linears(block)
+    assert block.q_proj.group is block.k_proj.group is block.v_proj.group
+    assert block.o_proj.group is not block.q_proj.group
+    products = []
+    compute = FusedProduct.product
+
+    def counted(self: FusedProduct, t: torch.Tensor) -> torch.Tensor:
+        products.append(t)
+        return compute(self, t)
+
+    monkeypatch.setattr(FusedProduct, "product", counted)
+    for name in ("k_proj", "q_proj", "v_proj"):  # any member may come first
+        torch.testing.assert_close(getattr(block, name)(x), expected[name][0], rtol=1e-5, atol=1e-5)
+    assert products == [x]
+    torch.testing.assert_close(block.q_proj(y), expected["q_proj"][1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(block.q_proj(y), expected["q_proj"][1], rtol=1e-5, atol=1e-5)  # taken twice
+    torch.testing.assert_close(block.v_proj(x), expected["v_proj"][0], rtol=1e-5, atol=1e-5)  # back to x
+    assert len(products) == 4
 
 
 def test_pack_and_unpack_give_the_model_back_exactly(tokenizer):
@@ -45,7 +84,7 @@ def test_pack_and_unpack_give_the_model_back_exactly(tokenizer):
     assert pack_linears(model) == len(linears)
     assert not any(type(m) is nn.Linear for m in model.modules())
     # untied weights are released while packed; the tied output head still serves the embedding
-    assert model.model.layers[0].mlp.up_proj._original[0].weight.numel() == 0
+    assert model.model.layers[0].mlp.up_proj.group.originals[1][0].weight.numel() == 0
     assert torch.equal(model.model.embed_tokens.weight, before["model.embed_tokens.weight"])
 
     unpack_linears(model)
@@ -71,14 +110,14 @@ def test_a_failure_while_packing_falls_back_to_plain_weights(tokenizer, monkeypa
     expected = reference_generate(model, tokenizer, "Once upon a time", 8)
     made = []
 
-    class FailingOnThird(PackedLinear):
-        def __init__(self, linear: nn.Linear, release: bool):
+    class FailingOnThird(FusedProduct):
+        def __init__(self, linears: list[nn.Linear], release: list[bool]):
             if len(made) == 2:
                 raise RuntimeError("simulated oneDNN failure")
-            super().__init__(linear, release)
+            super().__init__(linears, release)
             made.append(self)
 
-    monkeypatch.setattr("astrai.packed_linear.PackedLinear", FailingOnThird)
+    monkeypatch.setattr("astrai.packed_linear.FusedProduct", FailingOnThird)
     with InferenceEngine(model, tokenizer, page_size=4, n_pages=64) as engine:
         assert len(made) == 2 and engine.runner.packed_linears == 0
         assert not any(isinstance(m, PackedLinear) for m in model.modules())
