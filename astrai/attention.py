@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from astrai.paged_kernel import DecodeKernel
+
 ATTN_IMPLEMENTATION = "astrai_paged"
 
 
@@ -46,7 +48,9 @@ class PagedBatch:
     kv_cache: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K and V, each [kv_heads, slots, head_dim]
     slot_mapping: torch.Tensor  # [T] slot each new token's K/V is written to
     decode_rows: torch.Tensor  # [Bd] rows with a single query token
-    decode_slots: torch.Tensor  # [Bd * Lmax] context slots of each decode row, padded, flattened
+    decode_table: torch.Tensor  # [Bd, Lmax] context slots of each decode row, padded
+    decode_lengths: torch.Tensor  # [Bd] context length of each decode row
+    decode_kernel: DecodeKernel | None  # attends from the pages in place; None: gather, then attend
     decode_bias: torch.Tensor | None  # [1, Bd, 1, Lmax] in the KV dtype, -inf on padding; None when there is none
     decode_covers_all: bool  # every row is a decode row: skip the scatter
     prefills: list[PrefillChunk]
@@ -57,6 +61,7 @@ def build_paged_batch(
     items: list[tuple[list[int], int, int]],
     page_size: int,
     groups: int,
+    decode_kernel: DecodeKernel | None = None,
 ) -> PagedBatch:
     """``items`` holds, per request, (its page table, tokens already computed, tokens computed now)."""
     new_slots: list[torch.Tensor] = []
@@ -87,7 +92,9 @@ def build_paged_batch(
         kv_cache=kv_cache,
         slot_mapping=torch.cat(new_slots),
         decode_rows=torch.tensor(decode_rows, dtype=torch.long),
-        decode_slots=padded.flatten(),
+        decode_table=padded,
+        decode_lengths=torch.tensor([len(s) for s in decode_slots], dtype=torch.long),
+        decode_kernel=decode_kernel,
         decode_bias=bias if any(len(s) < longest for s in decode_slots) else None,
         decode_covers_all=len(decode_rows) == row,
         prefills=prefills,
@@ -154,15 +161,20 @@ def _paged_attention(
     out = query.new_empty(rows, heads, head_dim)
 
     if batch.decode_rows.numel():
-        # KV heads act as the batch dimension: index_select copies whole slot rows (fast), the gathered
-        # context is contiguous, and each KV head's query group rides along as extra query rows.
         q_dec = q if batch.decode_covers_all else q.index_select(1, batch.decode_rows)
         n = q_dec.shape[1]
-        q_dec = q_dec.view(kv_heads, groups, n, head_dim).transpose(1, 2)  # [KVH, Bd, G, D]
-        k = k_cache.index_select(1, batch.decode_slots).view(kv_heads, n, -1, head_dim)  # [KVH, Bd, L, D]
-        v = v_cache.index_select(1, batch.decode_slots).view(kv_heads, n, -1, head_dim)
-        res = F.scaled_dot_product_attention(q_dec, k, v, attn_mask=batch.decode_bias, scale=scale)  # [KVH, Bd, G, D]
-        res = res.permute(1, 0, 2, 3).reshape(n, heads, head_dim)
+        if batch.decode_kernel is not None:
+            rows = q_dec.transpose(0, 1).contiguous()  # [Bd, H, D]
+            res = batch.decode_kernel.attend(rows, k_cache, v_cache, batch.decode_table, batch.decode_lengths, scale)
+        else:
+            # KV heads act as the batch dimension: index_select copies whole slot rows (fast), the gathered
+            # context is contiguous, and each KV head's query group rides along as extra query rows.
+            q_dec = q_dec.view(kv_heads, groups, n, head_dim).transpose(1, 2)  # [KVH, Bd, G, D]
+            context = batch.decode_table.flatten()
+            k = k_cache.index_select(1, context).view(kv_heads, n, -1, head_dim)  # [KVH, Bd, L, D]
+            v = v_cache.index_select(1, context).view(kv_heads, n, -1, head_dim)
+            res = F.scaled_dot_product_attention(q_dec, k, v, attn_mask=batch.decode_bias, scale=scale)
+            res = res.permute(1, 0, 2, 3).reshape(n, heads, head_dim)  # [Bd, H, D]
         if batch.decode_covers_all:
             out = res
         else:

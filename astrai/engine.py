@@ -82,6 +82,7 @@ class InferenceEngine:
         prefix_caching: bool = True,
         dtype: str = "float32",
         packed_weights: bool = True,
+        attention_kernel: bool = True,
         compile: bool = False,
         event_log_size: int = 4096,
         history_size: int = 4096,
@@ -99,8 +100,13 @@ class InferenceEngine:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        flags = (("prefix_caching", prefix_caching), ("packed_weights", packed_weights), ("compile", compile))
-        for name, flag in flags:
+        flags = {
+            "prefix_caching": prefix_caching,
+            "packed_weights": packed_weights,
+            "attention_kernel": attention_kernel,
+            "compile": compile,
+        }
+        for name, flag in flags.items():
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
         torch_dtype = SUPPORTED_DTYPES[dtype]
@@ -126,7 +132,7 @@ class InferenceEngine:
         self.pool = PagePool(n_pages, page_size, emit=self._emit)
         self.cache = KVCacheManager(self.pool, prefix_caching)
         self.scheduler = Scheduler(self.cache, max_batch_size, max_batched_tokens, self._emit)
-        self.runner = ModelRunner(model, n_pages, page_size, torch_dtype, packed_weights, compile)
+        self.runner = ModelRunner(model, n_pages, page_size, torch_dtype, packed_weights, attention_kernel, compile)
 
         self._cancelled: set[int] = set()
         self._outputs: dict[int, tuple[queue.SimpleQueue, int, IncrementalDetokenizer]] = {}

@@ -2,7 +2,8 @@
 
 The model definition is transformers' own; the runner only switches its attention implementation to ours,
 owns the KV tensors, flattens the scheduled requests into one ``[1, T]`` row and computes logits just for the
-rows that sample. Unless told not to, it packs the model's linear weights for oneDNN (``packed_linear.py``).
+rows that sample. Unless told not to, it fuses and packs the model's linear weights (``packed_linear.py``) and
+attends decodes with the C kernel where it builds (``paged_kernel.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from astrai.attention import ATTN_IMPLEMENTATION, build_paged_batch, serving
 from astrai.packed_linear import pack_linears, packing_supported, unpack_linears
+from astrai.paged_kernel import DecodeKernel, load_decode_kernel
 from astrai.request import Request
 
 log = logging.getLogger("astrai")
@@ -65,6 +67,7 @@ class ModelRunner:
         page_size: int,
         dtype: torch.dtype,
         packed_weights: bool = True,
+        attention_kernel: bool = True,
         compile: bool = False,
     ):
         config = model.config
@@ -76,6 +79,10 @@ class ModelRunner:
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         self.groups = heads // kv_heads
+        kernel = load_decode_kernel() if attention_kernel else None
+        self.decode_kernel: DecodeKernel | None = (
+            kernel if kernel is not None and kernel.supports(dtype, self.groups, head_dim) else None
+        )
         slots = n_pages * page_size
         # the KV tensors first: a pool too large for memory fails here, before the model is touched
         self.kv_cache = [
@@ -128,6 +135,7 @@ class ModelRunner:
             [(req.pages, req.num_computed, count) for req, count in work],
             self.page_size,
             self.groups,
+            self.decode_kernel,
         )
         tokens, positions_t = torch.tensor([input_ids]), torch.tensor([positions])
         rows = torch.tensor(sample_rows, dtype=torch.long)

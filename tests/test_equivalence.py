@@ -49,7 +49,8 @@ def test_greedy_equals_transformers(family, prefix_caching, pool):
     with InferenceEngine(
         model, tokenizer, page_size=PAGE, n_pages=n_pages, max_batch_size=6, prefix_caching=prefix_caching
     ) as engine:
-        assert engine.runner.packed_linears > 0  # the default path: oneDNN-packed weights
+        assert engine.runner.packed_linears > 0  # the default path: oneDNN-packed weights,
+        assert engine.runner.decode_kernel is not None  # and decodes attended by the C kernel
         for _ in range(2):  # the second round runs with the cache warm
             texts, ids = run_batch(engine, PROMPTS)
             assert ids == refs
@@ -75,11 +76,14 @@ def test_chunked_prefill_equals_transformers(family):
     assert ids == refs
 
 
-def test_plain_weights_equal_transformers(family):
-    """With weight packing switched off, the engine runs transformers' own linear layers, with the same result."""
+def test_plain_weights_and_attention_equal_transformers(family):
+    """Without its speed-ups (weight packing, the C decode kernel) the engine runs transformers' own linear layers
+    and attends through PyTorch, with the same result."""
     model, tokenizer, refs, _ = family
-    with InferenceEngine(model, tokenizer, page_size=PAGE, n_pages=128, packed_weights=False) as engine:
-        assert engine.runner.packed_linears == 0
+    with InferenceEngine(
+        model, tokenizer, page_size=PAGE, n_pages=128, packed_weights=False, attention_kernel=False
+    ) as engine:
+        assert engine.runner.packed_linears == 0 and engine.runner.decode_kernel is None
         _, ids = run_batch(engine, PROMPTS)
     assert ids == refs
 

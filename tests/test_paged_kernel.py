@@ -1,0 +1,80 @@
+"""The C decode kernel attends as PyTorch does, from the pages in place; without a compiler the engine still runs."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from astrai import InferenceEngine
+from astrai.paged_kernel import load_decode_kernel
+from tests.support.tiny_models import reference_generate
+
+
+def reference(query, k_cache, v_cache, slots, lengths, scale):
+    """Each request alone: its context gathered, its query heads attending their KV group's heads."""
+    groups = query.shape[1] // k_cache.shape[0]
+    out = []
+    for q, row, length in zip(query, slots, lengths.tolist(), strict=True):
+        context = row[:length]
+        k = k_cache[:, context].repeat_interleave(groups, dim=0).float()  # [H, L, D]
+        v = v_cache[:, context].repeat_interleave(groups, dim=0).float()
+        out.append(F.scaled_dot_product_attention(q.float()[:, None], k, v, scale=scale)[:, 0])
+    return torch.stack(out).to(query.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("kv_heads", "groups", "head_dim"), [(3, 3, 64), (2, 1, 32), (1, 8, 128)])
+def test_kernel_matches_pytorch_attention(dtype, kv_heads, groups, head_dim):
+    kernel = load_decode_kernel()
+    assert kernel is not None, "gcc is on this machine: the kernel must build"
+    torch.manual_seed(head_dim)
+    page_size, pages = 16, 60
+    k_cache = torch.randn(kv_heads, pages * page_size, head_dim, dtype=dtype)
+    v_cache = torch.randn(kv_heads, pages * page_size, head_dim, dtype=dtype)
+    lengths = torch.tensor([1, 37, 150, 16, 90])
+    slots = torch.zeros(len(lengths), int(lengths.max()), dtype=torch.long)  # padding: slot 0, never read
+    order = torch.randperm(pages)  # requests' pages scattered over the pool, as the allocator leaves them
+    for i, length in enumerate(lengths.tolist()):
+        table = order[i * 10 : (i + 1) * 10]
+        positions = torch.arange(length)
+        slots[i, :length] = table[positions // page_size] * page_size + positions % page_size
+    query = torch.randn(len(lengths), kv_heads * groups, head_dim, dtype=dtype)
+    scale = head_dim**-0.5
+    got = kernel.attend(query, k_cache, v_cache, slots, lengths, scale)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    expected = reference(query, k_cache, v_cache, slots, lengths, scale)
+    torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.fixture
+def fresh_kernel_cache(monkeypatch, tmp_path):
+    """An empty kernel cache, and ``load_decode_kernel`` asked afresh (it answers once per process)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    load_decode_kernel.cache_clear()
+    yield tmp_path
+    load_decode_kernel.cache_clear()
+
+
+def test_the_kernel_is_built_once_per_machine(fresh_kernel_cache, monkeypatch):
+    assert load_decode_kernel() is not None
+    built = list(fresh_kernel_cache.glob("astrai/kernels/paged_decode-*.so"))
+    assert len(built) == 1
+    load_decode_kernel.cache_clear()
+    monkeypatch.setenv("CC", "no-such-compiler")  # a second load must not compile
+    assert load_decode_kernel() is not None
+
+
+def test_without_a_compiler_the_engine_attends_through_pytorch(fresh_kernel_cache, monkeypatch, caplog, tokenizer):
+    from tests.support.tiny_models import make_model
+
+    monkeypatch.setenv("CC", "no-such-compiler")
+    model = make_model("llama", len(tokenizer))
+    expected = reference_generate(model, tokenizer, "Once upon a time", 8)
+    with caplog.at_level(logging.WARNING, logger="astrai"), InferenceEngine(model, tokenizer, n_pages=64) as engine:
+        assert engine.runner.decode_kernel is None
+        text = engine.generate("Once upon a time", max_tokens=8)
+    assert text == tokenizer.decode(expected, skip_special_tokens=True)
+    assert "decode attention kernel unavailable" in caplog.text
