@@ -7,12 +7,13 @@ and the hook hands each layer's query, key and value to one custom op, ``astrai:
 Being one opaque op per layer is what lets ``torch.compile`` take the rest of the model whole.
 
 Per layer, the op first writes the new K/V into their slots, then lets each request attend to its own
-pages only. Requests with one query token (decodes) are attended together in one ``scaled_dot_product_attention``
-call, each request a batch entry, its context gathered and padded to the longest (masked). On one machine two
-batched matmuls with a float32 softmax had beaten it; on another the fused kernel made whole decode steps 3-6%
-faster in both dtypes (docs/benchmarks.md), and it is one call instead of four. Multi-token chunks (prefills) go
-one by one through the same kernel with a causal mask over their own context. GQA is served without copying
-repeated heads: the query heads of one KV group are folded into extra query rows.
+pages only. Requests with one query token (decodes) are attended together by the C kernel of ``paged_kernel.py``,
+which reads every request's K and V rows where they lie in the pages (as vLLM's CPU attention does). Where that
+kernel cannot be built, they go through one ``scaled_dot_product_attention`` call instead, each request a batch
+entry, its context first gathered into a contiguous copy and padded to the longest (masked). Multi-token chunks
+(prefills) go one by one through ``scaled_dot_product_attention`` with a causal mask over their own gathered
+context: their queries outnumber the context rows they read, so the gather costs little there. GQA is served
+without copying repeated heads: the query heads of one KV group share each K/V row they read.
 """
 
 from __future__ import annotations
