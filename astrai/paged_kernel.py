@@ -60,30 +60,37 @@ class DecodeKernel:
         scale: float,
     ) -> torch.Tensor:
         """query [B, H, D]; caches [KVH, S, D]; slots [B, Lmax] int64, of which the first ``lengths[b]`` are read.
-        Returns [B, H, D]. Every tensor must be contiguous (the C code indexes raw memory)."""
+        Returns [B, H, D].
+
+        The C code indexes raw memory: every tensor must be contiguous, query and caches of one dtype, and every
+        slot read below S. The last holds by construction (slots come from the engine's page tables), so it is
+        not checked per call; the others are.
+        """
         batch, heads, head_dim = query.shape
         kv_heads, cache_slots, _ = k_cache.shape
-        for tensor in (query, k_cache, v_cache, slots, lengths):
-            if not tensor.is_contiguous():
-                raise ValueError("the decode kernel needs contiguous tensors")
+        if not all(t.is_contiguous() for t in (query, k_cache, v_cache, slots, lengths)):
+            raise ValueError("the decode kernel needs contiguous tensors")
+        if not query.dtype == k_cache.dtype == v_cache.dtype or not slots.dtype == lengths.dtype == torch.long:
+            raise ValueError("the decode kernel needs query and caches of one dtype, and int64 slots and lengths")
         out = torch.empty_like(query)
         scores = torch.empty(heads // kv_heads, slots.shape[1], dtype=torch.float32)
-        status = self.functions[query.dtype](
-            query.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            slots.data_ptr(),
-            lengths.data_ptr(),
-            out.data_ptr(),
-            scores.data_ptr(),
-            batch,
-            kv_heads,
-            heads // kv_heads,
-            head_dim,
-            cache_slots,
-            slots.shape[1],
-            scale,
-        )
+        with torch.profiler.record_function("astrai::paged_decode"):  # named in profiles; ctypes calls are not ops
+            status = self.functions[query.dtype](
+                query.data_ptr(),
+                k_cache.data_ptr(),
+                v_cache.data_ptr(),
+                slots.data_ptr(),
+                lengths.data_ptr(),
+                out.data_ptr(),
+                scores.data_ptr(),
+                batch,
+                kv_heads,
+                heads // kv_heads,
+                head_dim,
+                cache_slots,
+                slots.shape[1],
+                scale,
+            )
         if status != 0:
             raise RuntimeError(f"the decode kernel refused {heads // kv_heads} groups of head size {head_dim}")
         return out

@@ -1,8 +1,10 @@
-"""One decode step, A against B: ``python -m benchmarks.decode_step [--dtype bfloat16] [--model embedded]``.
+"""One decode step, A against B: ``python -m benchmarks.decode_step [--dtype bfloat16] [--model embedded]
+[--variants default,torch-attention,compiled]``.
 
 The model runner alone (no scheduler, sampler or streams), on the SmolLM2-135M-shaped model or the embedded one, in
-variants that each
-hold their own copy of the weights: eager with packed weights (the default), and ``torch.compile``d. Every variant
+variants that each hold their own copy of the weights: the default (eager, packed and fused weights, decode
+attention by the C kernel), the same with decode attention through PyTorch (gather, then
+``scaled_dot_product_attention``), and ``torch.compile``d. Every variant
 first computes the same prompts, then the variants take turns computing one decode step for the whole batch,
 step after step, so a drift of the machine hits all of them alike. Each round reports every variant's median step
 and its ratio to the first variant, taken pair by pair within the round.
@@ -23,7 +25,11 @@ from astrai.sampling import SamplingParams
 from benchmarks.bench import embedded, smollm_shaped
 
 PAGE_SIZE = 16
-VARIANTS = {"eager, packed weights": dict(packed_weights=True), "compiled": dict(compile=True)}
+VARIANTS = {
+    "default": dict(),
+    "torch-attention": dict(attention_kernel=False),
+    "compiled": dict(compile=True),
+}
 
 
 def decode_batch(runner: ModelRunner, batch: int, context: int, vocab: int) -> list[tuple[Request, int]]:
@@ -49,12 +55,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20, help="steps per variant per round")
     parser.add_argument("--model", choices=("smollm", "embedded"), default="smollm")
+    parser.add_argument("--variants", default="default,compiled", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--profile", action="store_true", help="then print each variant's ops over --steps steps")
     args = parser.parse_args()
+    chosen = args.variants.split(",")
+    if unknown := set(chosen) - set(VARIANTS):
+        parser.error(f"unknown variants: {', '.join(sorted(unknown))}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, _ = smollm_shaped() if args.model == "smollm" else embedded()
     vocab = model.config.vocab_size
     n_pages = args.batch * (args.context // PAGE_SIZE + 2)
     runners, work = {}, {}
-    for name, options in VARIANTS.items():
+    for name in chosen:
+        options = VARIANTS[name]
         started = time.perf_counter()
         runner = ModelRunner(copy.deepcopy(model), n_pages, PAGE_SIZE, SUPPORTED_DTYPES[args.dtype], **options)
         work[name] = decode_batch(runner, args.batch, args.context, vocab)
@@ -88,6 +103,17 @@ def main() -> None:
             + " |",
             flush=True,
         )
+    if args.profile:
+        for name, runner in runners.items():
+            print(f"\n{name}, {args.steps} steps:\n{op_table(runner, work[name], args.steps)}", flush=True)
+
+
+def op_table(runner: ModelRunner, work: list[tuple[Request, int]], steps: int) -> str:
+    """torch.profiler's table of the ops of ``steps`` decode steps, by self time (the C kernel is one entry)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        for _ in range(steps):
+            runner.step(work)
+    return profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
 
 
 if __name__ == "__main__":
