@@ -49,7 +49,7 @@ class PagedBatch:
     kv_cache: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K and V, each [kv_heads, slots, head_dim]
     slot_mapping: torch.Tensor  # [T] slot each new token's K/V is written to
     decode_rows: torch.Tensor  # [Bd] rows with a single query token
-    decode_table: torch.Tensor  # [Bd, Lmax] context slots of each decode row, padded
+    decode_table: torch.Tensor  # [Bd, Lmax] context slots of each decode row, padded with slot 0
     decode_lengths: torch.Tensor  # [Bd] context length of each decode row
     decode_kernel: DecodeKernel | None  # attends from the pages in place; None: gather, then attend
     decode_bias: torch.Tensor | None  # [1, Bd, 1, Lmax] in the KV dtype, -inf on padding; None when there is none
@@ -165,8 +165,9 @@ def _paged_attention(
         q_dec = q if batch.decode_covers_all else q.index_select(1, batch.decode_rows)
         n = q_dec.shape[1]
         if batch.decode_kernel is not None:
-            rows = q_dec.transpose(0, 1).contiguous()  # [Bd, H, D]
-            res = batch.decode_kernel.attend(rows, k_cache, v_cache, batch.decode_table, batch.decode_lengths, scale)
+            q_rows = q_dec.transpose(0, 1).contiguous()  # [Bd, H, D]
+            table, lengths = batch.decode_table, batch.decode_lengths
+            res = batch.decode_kernel.attend(q_rows, k_cache, v_cache, table, lengths, scale)
         else:
             # KV heads act as the batch dimension: index_select copies whole slot rows (fast), the gathered
             # context is contiguous, and each KV head's query group rides along as extra query rows.
