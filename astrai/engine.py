@@ -27,6 +27,7 @@ from astrai.observation import (
     RequestInfo,
     StepSample,
 )
+from astrai.openmp import release_pool
 from astrai.page_pool import PagePool
 from astrai.request import Request, Status
 from astrai.sampling import MAX_SEED, SamplingParams, sample
@@ -142,6 +143,7 @@ class InferenceEngine:
         self._ended_counts: Counter[str] = Counter()
         self._closed = False
         self._loop_error: BaseException | None = None
+        release_pool()  # this thread prepared the model; its idle OpenMP workers would slow the loop's (openmp.py)
         self._thread = threading.Thread(target=self._loop, name="astrai-engine", daemon=True)
         self._thread.start()
 
@@ -410,6 +412,8 @@ class InferenceEngine:
         try:
             while True:
                 with self._lock:
+                    if not self._closed and not self._cancelled and not self.scheduler.has_work():
+                        release_pool()  # idle: free the OpenMP workers, which would slow other engines' steps
                     while not self._closed and not self._cancelled and not self.scheduler.has_work():
                         self._work_arrived.wait()
                     if self._closed:

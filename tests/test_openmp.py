@@ -1,0 +1,47 @@
+"""Idle OpenMP pools are released, so they do not throttle the thread that computes (astrai/openmp.py)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from astrai import InferenceEngine
+from astrai.openmp import release_pool
+
+
+def os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or torch.get_num_threads() < 2, reason="Linux, 2 threads")
+def test_release_pool_frees_the_calling_threads_openmp_workers():
+    counts = {}
+
+    def compute_then_release():
+        a = torch.randn(512, 512)
+        for _ in range(5):
+            a @ a  # a parallel region: this thread gets a pool of OpenMP workers
+        counts["computing"] = os_threads()
+        release_pool()
+        counts["released"] = os_threads()
+
+    before = os_threads()
+    worker = threading.Thread(target=compute_then_release)
+    worker.start()
+    worker.join()
+    assert counts["computing"] > before + 1  # the thread itself and at least one OpenMP worker
+    assert counts["released"] == counts["computing"] - (torch.get_num_threads() - 1)
+
+
+def test_the_engine_releases_the_pools_it_leaves_idle(model, tokenizer, monkeypatch):
+    """The caller's pool once the model is prepared; the loop's own whenever it goes idle."""
+    released = []
+    monkeypatch.setattr("astrai.engine.release_pool", lambda: released.append(threading.current_thread().name))
+    with InferenceEngine(model, tokenizer, page_size=4, n_pages=64) as engine:
+        assert released[0] == threading.current_thread().name
+        engine.generate("Once upon a time", max_tokens=4)
+        engine.generate("Once upon a time", max_tokens=4)
+        assert released.count("astrai-engine") >= 2  # idle at start, and again after each request
