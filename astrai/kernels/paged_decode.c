@@ -2,12 +2,18 @@
  *
  * One query token per request. For request b and KV head kvh, the G query heads of that KV group walk the
  * request's context slot by slot: each K row and V row is read once, from where it lives in the cache, and all G
- * queries use it while it is in cache (GQA without repeating heads). Softmax is computed online (a running
- * maximum, rescaling the sums when it grows), in float32 whatever the cache's dtype.
+ * queries use it while it is in cache (GQA without repeating heads). Three passes per (request, KV head): the
+ * scores against every K row, their softmax numerators, then the numerator-weighted sum of the V rows, divided by
+ * the numerators' sum; all in float32, whatever the cache's dtype. Two passes over scores kept in ``scores``
+ * (G x L_max floats, the caller's) let the compiler vectorize the exponentials, which one online pass could not:
+ * on a 2-core AMD EPYC one bfloat16 layer of 8 requests at 301 tokens took 225-230 us against 680-730 (one run).
  *
  * Layouts (all contiguous): q and out [B, KVH * G, D]; k_cache and v_cache [KVH, S, D]; slots [B, L_max] holding
  * each request's context slots in position order, of which the first lengths[b] are read.
- * Built by astrai/paged_kernel.py with -O3 -march=native -fopenmp-simd: the loops over D vectorize.
+ * Every decode row has at least one context slot (its own token), so lengths[b] >= 1.
+ * Built by astrai/paged_kernel.py with -O3 -march=native -ffast-math: the loops over D and over the scores
+ * vectorize (-ffast-math lets the sums reassociate and the exponentials use the vector math library); nothing here
+ * relies on infinities or NaNs.
  */
 #include <math.h>
 #include <stdint.h>
@@ -55,17 +61,16 @@ static inline uint16_t float_to_bf16(float f) {  /* round to nearest even, as to
                         scores[g * max_len + l] = s;                                                             \
                     }                                                                                            \
                 }                                                                                                \
-                for (int64_t g = 0; g < groups; g++) { /* softmax numerators; the sum divides at the end */     \
-                    float *sg = scores + g * max_len, top = -INFINITY, total = 0.0f;                             \
-                    for (int64_t l = 0; l < len; l++) top = sg[l] > top ? sg[l] : top;                           \
+                float totals[MAX_GROUPS];                                                                        \
+                for (int64_t g = 0; g < groups; g++) { /* softmax numerators; their sum divides at the end */   \
+                    float *sg = scores + g * max_len, top = sg[0], total = 0.0f;                                 \
+                    for (int64_t l = 1; l < len; l++) top = sg[l] > top ? sg[l] : top;                           \
                     for (int64_t l = 0; l < len; l++) {                                                          \
                         sg[l] = expf(sg[l] - top);                                                               \
                         total += sg[l];                                                                          \
                     }                                                                                            \
-                    row[g] = total; /* row is free until the V pass: park the sums there */                     \
+                    totals[g] = total;                                                                           \
                 }                                                                                                \
-                float totals[MAX_GROUPS];                                                                        \
-                for (int64_t g = 0; g < groups; g++) totals[g] = row[g];                                         \
                 for (int64_t l = 0; l < len; l++) { /* values: each V row read once */                          \
                     const T *vr = vh + ctx[l] * head_dim;                                                        \
                     for (int64_t d = 0; d < head_dim; d++) row[d] = LOAD(vr[d]);                                 \
