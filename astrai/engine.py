@@ -223,6 +223,7 @@ class InferenceEngine:
             self._make_request(i, ids, params, s) for i, (ids, s) in enumerate(zip(token_ids, salts, strict=True))
         ]
         items: queue.SimpleQueue = queue.SimpleQueue()
+        release_pool()  # the caller now waits on the engine: its idle OpenMP workers would slow the loop's
         with self._lock:
             self._check_alive()
             for index, req in enumerate(requests):

@@ -9,9 +9,10 @@ idle engine) made the loop thread's steps up to twice as slow as the same steps 
 docs/benchmarks.md).
 
 ``release_pool`` frees the calling thread's pool (OpenMP 5's ``omp_pause_resource_all``): the engine calls it on the
-caller's thread once the model is prepared, and on its loop thread whenever the loop goes idle. A thread that
-computes again simply gets a new pool. Where the runtime is not found (another platform, another OpenMP), it does
-nothing.
+caller's thread once the model is prepared and whenever a caller submits requests (it is about to wait on the
+engine), and on its loop thread whenever the loop goes idle. A thread that computes again simply gets a new pool.
+Pools of threads that never call the engine are out of its reach. Where the runtime is not found (another
+platform, another OpenMP), it does nothing.
 """
 
 from __future__ import annotations
