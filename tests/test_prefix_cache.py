@@ -153,7 +153,8 @@ def test_snapshot_and_stats_agree(engine):
         if record.state == "in_use":
             assert record.ref_count == len(record.requests) >= 1
             assert set(record.requests) <= set(stream.request_ids)
-            assert record.chain_pos >= 0 and 0 < len(record.token_ids) <= PAGE
+            # a page that the step now running reserved for its next token holds no computed token yet
+            assert record.chain_pos >= 0 and len(record.token_ids) <= PAGE
     stream.close()
 
 
