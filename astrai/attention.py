@@ -52,7 +52,7 @@ class PagedBatch:
     decode_table: torch.Tensor  # [Bd, Lmax] context slots of each decode row, padded with slot 0
     decode_lengths: torch.Tensor  # [Bd] context length of each decode row
     decode_kernel: DecodeKernel | None  # attends from the pages in place; None: gather, then attend
-    decode_bias: torch.Tensor | None  # [1, Bd, 1, Lmax] in the KV dtype, -inf on padding; None when there is none
+    decode_bias: torch.Tensor | None  # [1, Bd, 1, Lmax], -inf on padding: PyTorch attention, rows of unequal length
     decode_covers_all: bool  # every row is a decode row: skip the scatter
     prefills: list[PrefillChunk]
 
@@ -85,10 +85,13 @@ def build_paged_batch(
         row += count
     longest = max((len(s) for s in decode_slots), default=0)
     padded = torch.zeros(len(decode_slots), longest, dtype=torch.long)
-    bias = torch.zeros(1, len(decode_slots), 1, longest, dtype=kv_cache[0][0].dtype)
     for i, slots in enumerate(decode_slots):
         padded[i, : len(slots)] = slots
-        bias[0, i, :, len(slots) :] = float("-inf")
+    bias = None  # the kernel reads each row's own length; PyTorch's attention masks the padding
+    if decode_kernel is None and any(len(s) < longest for s in decode_slots):
+        bias = torch.zeros(1, len(decode_slots), 1, longest, dtype=kv_cache[0][0].dtype)
+        for i, slots in enumerate(decode_slots):
+            bias[0, i, :, len(slots) :] = float("-inf")
     return PagedBatch(
         kv_cache=kv_cache,
         slot_mapping=torch.cat(new_slots),
@@ -96,7 +99,7 @@ def build_paged_batch(
         decode_table=padded,
         decode_lengths=torch.tensor([len(s) for s in decode_slots], dtype=torch.long),
         decode_kernel=decode_kernel,
-        decode_bias=bias if any(len(s) < longest for s in decode_slots) else None,
+        decode_bias=bias,
         decode_covers_all=len(decode_rows) == row,
         prefills=prefills,
     )

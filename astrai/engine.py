@@ -413,9 +413,8 @@ class InferenceEngine:
         try:
             while True:
                 with self._lock:
-                    if not self._closed and not self._cancelled and not self.scheduler.has_work():
-                        release_pool()  # idle: free the OpenMP workers, which would slow other engines' steps
                     while not self._closed and not self._cancelled and not self.scheduler.has_work():
+                        release_pool()  # idle: free the OpenMP workers, which would slow other engines' steps
                         self._work_arrived.wait()
                     if self._closed:
                         return

@@ -7,7 +7,7 @@ were about a quarter of a float32 decode step and a third of a bfloat16 one, on 
 no library op attends over a page table on the CPU, and inductor turned the same computation either into the
 gather again or into a loop that read the values with scattered loads (slower than the gather).
 
-It is plain C, no PyTorch headers: ``gcc`` builds it in about a second, into ``~/.cache/astrai/kernels`` under a
+It is plain C, no PyTorch headers: ``gcc`` builds it in under a second, into ``~/.cache/astrai/kernels`` under a
 name that hashes the source, the flags and this CPU's model (``-march=native``), so a cache shared between
 machines never hands one CPU another's code. Where there is no compiler, or the build or load fails,
 ``load_decode_kernel`` returns None and the engine attends through PyTorch as before: the kernel is only a speed-up.

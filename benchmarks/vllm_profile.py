@@ -29,7 +29,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 WARMUP_DECODE_STEPS = 3  # unprofiled decode steps before the profiler starts
@@ -50,6 +49,7 @@ def profile_in_vllm(folder: Path, dtype: str, batch: int, context: int, steps: i
     """Time and profile the decode steps; write ``result.json`` (and the trace under ``trace/``) to ``folder``."""
     from vllm import LLM, SamplingParams  # noqa: PLC0415 - only importable inside vLLM's venv
     from vllm.inputs import TokensPrompt  # noqa: PLC0415
+    from vllm_worker import full_step_gaps  # noqa: PLC0415 - run as a script, this file's folder is on sys.path
 
     model = folder / "model"
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
@@ -82,28 +82,19 @@ def profile_in_vllm(folder: Path, dtype: str, batch: int, context: int, steps: i
         for i, prompt in enumerate(prompts):
             engine.add_request(f"{tag}{i}", TokensPrompt(prompt_token_ids=prompt), params())
         counts: dict[str, int] = {}
-        full_steps = 0
-        last_full_step: float | None = None
-        gaps: list[float] = []
-        while engine.has_unfinished_requests():
-            outputs = engine.step()
-            now = time.perf_counter()
-            grew = 0
-            for out in outputs:
-                grew += len(out.outputs[0].token_ids) > counts.get(out.request_id, 0)
-                counts[out.request_id] = len(out.outputs[0].token_ids)
-            if grew == batch:
-                if last_full_step is not None:
-                    gaps.append(now - last_full_step)
-                last_full_step = now
-                full_steps += 1  # the first one computed the prompts
-                if profile and full_steps == 1 + WARMUP_DECODE_STEPS:
-                    llm.start_profile()
-                elif profile and full_steps == 1 + WARMUP_DECODE_STEPS + steps:
-                    llm.stop_profile()  # the worker has written its trace when this returns
-            elif grew:
-                last_full_step = None
-        return gaps
+
+        def seen(out, now: float) -> bool:  # noqa: ANN001 - a vLLM RequestOutput
+            grew = len(out.outputs[0].token_ids) > counts.get(out.request_id, 0)
+            counts[out.request_id] = len(out.outputs[0].token_ids)
+            return grew
+
+        def profile_window(full_steps: int) -> None:  # the first full step computed the prompts
+            if full_steps == 1 + WARMUP_DECODE_STEPS:
+                llm.start_profile()
+            elif full_steps == 1 + WARMUP_DECODE_STEPS + steps:
+                llm.stop_profile()  # the worker has written its trace when this returns
+
+        return full_step_gaps(engine, batch, seen, profile_window if profile else None)
 
     try:
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params(), use_tqdm=False)

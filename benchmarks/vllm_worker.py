@@ -23,6 +23,8 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 
 def main() -> None:
@@ -63,26 +65,18 @@ def run(engine, job: dict, sampling_params, tokens_prompt) -> dict:  # noqa: ANN
     first: dict[int, float] = {}
     tokens: dict[int, list[int]] = {}
     cached: dict[int, int] = {}
-    last_full_step: float | None = None
-    gaps: list[float] = []
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        now = time.perf_counter()
-        grew = 0
-        for out in outputs:
-            i = int(out.request_id)
-            ids = list(out.outputs[0].token_ids)
-            if ids and i not in first:
-                first[i] = now - started
-            grew += len(ids) > len(tokens.get(i, []))
-            tokens[i] = ids
-            cached[i] = out.num_cached_tokens or 0
-        if grew == count:  # every request got a token in this step: a full decode step (or the first)
-            if last_full_step is not None:
-                gaps.append(now - last_full_step)
-            last_full_step = now
-        elif grew:
-            last_full_step = None
+
+    def seen(out, now: float) -> bool:  # noqa: ANN001 - a vLLM RequestOutput
+        i = int(out.request_id)
+        ids = list(out.outputs[0].token_ids)
+        if ids and i not in first:
+            first[i] = now - started
+        grew = len(ids) > len(tokens.get(i, []))
+        tokens[i] = ids
+        cached[i] = out.num_cached_tokens or 0
+        return grew
+
+    gaps = full_step_gaps(engine, count, seen)
     wall = time.perf_counter() - started
     return {
         "wall": wall,
@@ -92,6 +86,37 @@ def run(engine, job: dict, sampling_params, tokens_prompt) -> dict:  # noqa: ANN
         "generated": sum(len(tokens[i]) for i in range(count)),
         "outputs": [tokens[i] for i in range(count)],
     }
+
+
+def full_step_gaps(
+    engine,  # noqa: ANN001 - vLLM's LLMEngine
+    count: int,
+    seen: Callable[[Any, float], bool],
+    on_full_step: Callable[[int], None] | None = None,
+) -> list[float]:
+    """Step ``engine`` until its requests are done; return the seconds between consecutive *full* steps, those in
+    which every one of the ``count`` requests received a token (the first full step computed the prompts).
+
+    This is the decode step both vLLM benchmarks report. ``seen(output, now)`` takes each request output of a step
+    and says whether its request grew; ``on_full_step(n)`` is told of the n-th full step as it ends.
+    """
+    last_full_step: float | None = None
+    gaps: list[float] = []
+    full_steps = 0
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        grew = sum(seen(out, now) for out in outputs)
+        if grew == count:
+            if last_full_step is not None:
+                gaps.append(now - last_full_step)
+            last_full_step = now
+            full_steps += 1
+            if on_full_step is not None:
+                on_full_step(full_steps)
+        elif grew:
+            last_full_step = None
+    return gaps
 
 
 if __name__ == "__main__":

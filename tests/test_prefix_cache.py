@@ -148,13 +148,18 @@ def test_snapshot_and_stats_agree(engine):
     stats = engine.cache_stats()
     by_state = {s: sum(r.state == s for r in snapshot) for s in ("free", "in_use", "cached")}
     assert by_state == {"free": stats.free_pages, "in_use": stats.used_pages, "cached": stats.cached_pages}
+    last_page = {}  # request -> the chain position of its last page
+    for record in snapshot:
+        for request in record.requests:
+            last_page[request] = max(last_page.get(request, -1), record.chain_pos)
     for record in snapshot:
         assert (record.lru_rank is not None) == (record.state == "cached")
         if record.state == "in_use":
             assert record.ref_count == len(record.requests) >= 1
             assert set(record.requests) <= set(stream.request_ids)
-            # a page that the step now running reserved for its next token holds no computed token yet
             assert record.chain_pos >= 0 and len(record.token_ids) <= PAGE
+            if not record.token_ids:  # only the page the running step reserved for a request's next token
+                assert all(record.chain_pos == last_page[r] for r in record.requests), record
     stream.close()
 
 
