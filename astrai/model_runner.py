@@ -3,11 +3,13 @@
 The model definition is transformers' own; the runner only switches its attention implementation to ours,
 owns the KV tensors, flattens the scheduled requests into one ``[1, T]`` row and computes logits just for the
 rows that sample. Unless told not to, it fuses and packs the model's linear weights (``packed_linear.py``) and
-attends decodes with the C kernel where it builds (``paged_kernel.py``).
+attends decodes with the C kernel where it builds (``paged_kernel.py``). With ``compile=True`` the same fused, packed
+layers are compiled into one graph with the rest of the model (inductor freezing makes their weights constants).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -95,10 +97,10 @@ class ModelRunner:
         model.eval()
         self.previous_attn = config._attn_implementation
         self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        pack = packed_weights and not compile and packing_supported(dtype)
+        pack = packed_weights and packing_supported(dtype)
         self.packed_linears = self._pack() if pack else 0
         # eager steps call the model itself (so a wrapper put on its forward later, as the soak's faults, still runs)
-        self.compiled = torch.compile(model.forward, dynamic=True, options={"freezing": True}) if compile else None
+        self.compiled = torch.compile(model.forward, dynamic=True) if compile else None
 
     def _pack(self) -> int:
         """Packing is only a speed-up: where oneDNN refuses a weight, the model keeps its own layers."""
@@ -139,12 +141,15 @@ class ModelRunner:
         )
         tokens, positions_t = torch.tensor([input_ids]), torch.tensor([positions])
         rows = torch.tensor(sample_rows, dtype=torch.long)
-        forward = self.model if self.compiled is None else self.compiled
+        forward, freezing = self.model, contextlib.nullcontext()
         if self.compiled is not None:
+            # freezing is patched in around the call rather than passed as torch.compile's option, which left every
+            # weight a graph input here (torch 2.13): unpacked, and refused by the packed layers' op
+            forward, freezing = self.compiled, torch._inductor.config.patch(freezing=True)
             # unbacked: a step of one token (or one sampled row) must not get a graph of its own, as a size of 1
             # otherwise would; one graph then serves every step
             for tensor, dim in ((tokens, 1), (positions_t, 1), (rows, 0)):
                 torch._dynamo.decorators.mark_unbacked(tensor, dim)
-        with serving(batch):
+        with serving(batch), freezing:
             out = forward(input_ids=tokens, position_ids=positions_t, use_cache=False, logits_to_keep=rows)
         return out.logits[0]

@@ -52,26 +52,32 @@ def worth_packing(weight: torch.Tensor) -> bool:
     return weight.dtype != torch.float32 or weight.numel() >= MIN_FLOAT32_ELEMENTS
 
 
-class FusedProduct:
+class FusedProduct(nn.Module):
     """One product for sibling linear layers that read the same input: ``x @ [W_1; W_2; ...]^T``, split by columns.
 
     Invariant: a member's output is the product of the input it was called with. The group's product is computed
     when a member is called with an input the group has not computed yet (a different tensor object, or one whose
     part that member already took), and dropped once every member took its part, so no step's activations outlive
     it. Inputs are compared by identity: the model's modules do not modify their input between sibling calls, and
-    the engine runs the model on one thread. Each member's original ``nn.Linear`` is kept (unregistered, so the
-    model's parameters are not listed twice) for ``unpack``; its weight's storage is released while fused unless
-    another module shares it (a tied embedding, say).
+    the engine runs the model on one thread. Under ``torch.compile`` the same logic is traced once: the graph
+    computes each group's product once and slices it, with the weights frozen in as constants. Each member's
+    original ``nn.Linear`` is kept (unregistered, so the model's parameters are not listed twice) for ``unpack``;
+    its weight's storage is released while fused unless another module shares it (a tied embedding, say).
     """
 
     def __init__(self, linears: list[nn.Linear], release: list[bool]):
+        super().__init__()
         weight = torch.cat([linear.weight.detach() for linear in linears])
         self.packed = worth_packing(weight)
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT) if self.packed else weight
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT) if self.packed else weight
         biases = [linear.bias for linear in linears]
-        self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        # buffers, not plain attributes: a compiled graph then freezes them into constants (oneDNN's packed op
+        # accepts nothing else there); not persistent, so the model's state_dict is unchanged
+        self.register_buffer("weight", packed, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
         self.widths = [linear.out_features for linear in linears]
-        self.originals = list(zip(linears, release, strict=True))
+        self.originals = list(zip(linears, release, strict=True))  # a plain list: not registered as submodules
         self._input: weakref.ref[torch.Tensor] | None = None
         self._parts: tuple[torch.Tensor, ...] = ()
         self._taken: set[int] = set()

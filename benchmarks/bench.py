@@ -379,11 +379,19 @@ def table(title: str, blocks: list[Block], reference: dict[str, list[list[int]]]
 
 
 def bench_model(
-    title: str, load: Callable, names: list[str], rounds: int, bf16: bool, vllm_venv: Path | None, versus_vllm: bool
+    title: str,
+    load: Callable,
+    names: list[str],
+    rounds: int,
+    bf16: bool,
+    vllm_venv: Path | None,
+    versus_vllm: bool,
+    compiled: bool,
 ) -> str:
-    """Every method on every workload, round after round. ``versus_vllm`` keeps only the default engine and vLLM
-    (each in bfloat16 too with ``bf16``); the reference outputs are then the engine's own, which the equivalence
-    tests tie to ``generate``'s."""
+    """Every method on every workload, round after round, after one warm-up run of the first workload each (a
+    compiled engine compiles there). ``versus_vllm`` keeps only the default engine and vLLM (each in bfloat16 too
+    with ``bf16``); the reference outputs are then the engine's own, which the equivalence tests tie to
+    ``generate``'s. ``compiled`` adds the engine with ``compile=True`` in each dtype."""
     base, tokenizer = load()
     eos = tokenizer.eos_token_id
     vocab = base.config.vocab_size
@@ -398,6 +406,10 @@ def bench_model(
         variants = {DEFAULT_ENGINE: variants[DEFAULT_ENGINE]}
     if bf16:
         variants["astrai bfloat16, prefix caching on"] = dict(prefix_caching=True, dtype="bfloat16")
+    if compiled:
+        for dtype in ["float32"] + ["bfloat16"] * bf16:
+            label = "" if dtype == "float32" else f" {dtype}"
+            variants[f"astrai compiled{label}, prefix caching on"] = dict(dtype=dtype, compile=True)
     engines = {name: InferenceEngine(copy.deepcopy(base), tokenizer, **v, **options) for name, v in variants.items()}
     manager = None
     if not versus_vllm:
@@ -412,6 +424,10 @@ def bench_model(
     blocks: list[Block] = []
     reference: dict[str, list[list[int]]] = {}
     try:
+        for name, engine in engines.items():
+            run_engine(engine, workloads[0], name)
+        for worker in workers:
+            worker.run(workloads[0], eos)
         for _ in range(rounds):
             for work in workloads:  # interleaved: every method runs each workload in turn
                 floor = raw_forward_floor(base, vocab)  # re-measured each time: the machine drifts
@@ -489,6 +505,7 @@ def main() -> None:
     parser.add_argument(
         "--versus-vllm", action="store_true", help="only the default engine against vLLM (with --bf16, both dtypes)"
     )
+    parser.add_argument("--compile", action="store_true", help="also run the engine with compile=True")
     parser.add_argument("--vllm-venv", type=Path, help="default: $ASTRAI_VLLM_VENV, else scripts/serve_vllm.py's")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -503,7 +520,8 @@ def main() -> None:
         venv = None
         if args.vllm:
             venv = args.vllm_venv or _launcher().parse_args([]).venv  # $ASTRAI_VLLM_VENV, else its default
-        print(bench_model(title, load, names, args.rounds, args.bf16, venv, args.versus_vllm), "\n", flush=True)
+        text = bench_model(title, load, names, args.rounds, args.bf16, venv, args.versus_vllm, args.compile)
+        print(text, "\n", flush=True)
 
 
 if __name__ == "__main__":
