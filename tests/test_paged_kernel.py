@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from astrai import InferenceEngine
-from astrai.paged_kernel import load_decode_kernel
+from astrai.paged_kernel import _build, load_decode_kernel
 from tests.support.tiny_models import reference_generate
 
 
@@ -25,9 +27,19 @@ def reference(query, k_cache, v_cache, slots, lengths, scale):
     return torch.stack(out).to(query.dtype)
 
 
+@pytest.fixture(params=[1, 3])
+def threads(request):
+    """The kernel splits its (request, KV head) pairs over torch's intra-op threads: one, and more than the pairs
+    of some cases below."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("kv_heads", "groups", "head_dim"), [(3, 3, 64), (2, 1, 32), (1, 8, 128)])
-def test_kernel_matches_pytorch_attention(dtype, kv_heads, groups, head_dim):
+def test_kernel_matches_pytorch_attention(dtype, kv_heads, groups, head_dim, threads):
     kernel = load_decode_kernel()
     assert kernel is not None, "gcc is on this machine: the kernel must build"
     torch.manual_seed(head_dim)
@@ -47,6 +59,17 @@ def test_kernel_matches_pytorch_attention(dtype, kv_heads, groups, head_dim):
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     expected = reference(query, k_cache, v_cache, slots, lengths, scale)
     torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
+def test_kernel_runs_on_torchs_own_openmp_runtime():
+    """The kernel's parallel loop uses the OpenMP runtime torch already loaded (so the same worker pool), not a
+    second one, whose workers would fight torch's for the cores."""
+    assert load_decode_kernel() is not None
+    symbols = subprocess.run(["nm", "-D", "--undefined-only", str(_build())], capture_output=True, text=True)
+    assert "GOMP_parallel" in symbols.stdout, "the kernel was built without OpenMP"
+    runtimes = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libgomp" in line}
+    assert len(runtimes) == 1, runtimes
 
 
 @pytest.fixture
