@@ -94,6 +94,8 @@ class DecodeKernel:
                 scale,
                 torch.get_num_threads(),
             )
+        if status == -2:
+            raise MemoryError("the decode kernel could not allocate its per-thread scores")
         if status != 0:
             raise RuntimeError(f"the decode kernel refused {heads // kv_heads} groups of head size {head_dim}")
         return out
