@@ -31,8 +31,8 @@ def make_backend(args: argparse.Namespace):
     """None (the embedded engine) without a vLLM URL; a clear exit when the vLLM server cannot be used."""
     if not args.vllm_url:
         return None
-    from astrai.playground.backend import BackendError
-    from astrai.playground.vllm_backend import VllmBackend
+    from astrai.playground.backends.protocol import BackendError
+    from astrai.playground.backends.vllm.backend import VllmBackend
 
     try:
         return VllmBackend(args.vllm_url, args.kv_events or None, args.kv_replay or None, args.model_name or None)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from astrai import InferenceEngine
-from astrai.playground.local_backend import EMBEDDED_MODEL
+from astrai.playground.backends.local import EMBEDDED_MODEL
 from tests.support.waiting import wait_until
 from tools import loadtest
 from tools.browser import CHROMIUM, open_playground

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from astrai import InferenceEngine
 from astrai.observation import CacheSnapshot, PageRecord, StepSample
-from astrai.playground.replay import Recording, narrate, pages_at, tokens_at
+from astrai.playground.views.replay import Recording, narrate, pages_at, tokens_at
 
 SHARED = "Once upon a time there was a little cat. "
 PROMPTS = [SHARED + "The dog", SHARED + "Lily and Tom", SHARED + "The sun"]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from astrai import InferenceEngine
-from astrai.playground.local_backend import EMBEDDED_MODEL
+from astrai.playground.backends.local import EMBEDDED_MODEL
 from astrai.playground.scenarios import FOLLOW_UP, SCENARIO_BY_NAME
 
 

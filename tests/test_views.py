@@ -5,8 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 from astrai.observation import CacheStats, PageRecord, RequestInfo, StepSample
-from astrai.playground import tree, views
-from astrai.playground.views import Owner
+from astrai.playground.views import pages as page_rules
+from astrai.playground.views import series as chart_series
+from astrai.playground.views import text as views
+from astrai.playground.views import tree
+from astrai.playground.views.pages import Owner
 
 ME, THEM = "session-me", "session-them"
 OWNERS = {1: Owner(ME, 0), 2: Owner(ME, 1), 7: Owner(THEM, 0)}
@@ -42,12 +45,12 @@ def test_a_visitor_sees_only_the_text_of_pages_their_requests_use_or_stored():
         record(5, "cached", stored_by=99),  # a request nobody remembers
         record(6, "free", tokens=()),
     ]
-    pages = views.page_views(records, OWNERS, ME, evicted={2}, decode=decode)
+    pages = page_rules.page_views(records, OWNERS, ME, evicted={2}, decode=decode)
     assert [p.text is not None for p in pages] == [True, True, False, False, True, False, False]
     assert pages[0].panels == (0,) and pages[0].other_users == 1
     assert pages[3].panels == () and pages[3].other_users == 1
     assert pages[2].just_evicted and not pages[1].just_evicted
-    theirs = views.page_views(records, OWNERS, THEM, evicted=set(), decode=decode)
+    theirs = page_rules.page_views(records, OWNERS, THEM, evicted=set(), decode=decode)
     assert [p.text is not None for p in theirs] == [True, False, True, True, True, False, False]
 
 
@@ -112,7 +115,7 @@ def test_series_recover_the_cumulative_hit_rate_at_every_step():
         sample(3, 101.0, hits=30, queries=40, evictions=2),
     ]
     now_stats = stats(hit_tokens=30, query_tokens=80, hit_rate=30 / 80, free_pages=16)
-    data = views.series(history, now_stats, now=102.0)
+    data = chart_series.series(history, now_stats, now=102.0)
     assert data.x_title == "seconds ago" and data.marker is None
     assert data.ages == [-2.0, -1.0, 0.0]  # step 2 repeats step 1: a step-shaped line does not need it
     assert data.hit_rate == [0.0, 30 / 80, 30 / 80]
@@ -123,7 +126,7 @@ def test_series_recover_the_cumulative_hit_rate_at_every_step():
 
 def test_series_keep_only_the_window_and_never_exceed_one():
     history = [sample(1, 0.0, hits=10, queries=10), sample(2, 500.0, hits=5, queries=10)]
-    data = views.series(history, stats(hit_tokens=15, query_tokens=20, hit_rate=0.75), now=510.0, window_s=60)
+    data = chart_series.series(history, stats(hit_tokens=15, query_tokens=20, hit_rate=0.75), now=510.0, window_s=60)
     assert data.ages == [-10.0, 0.0]
     assert data.hit_rate == [0.75, 0.75]
     assert all(r is None or 0 <= r <= 1 for r in data.hit_rate)
@@ -136,8 +139,8 @@ def test_the_stats_line_names_what_the_hit_rate_counts():
 
 def test_long_histories_are_thinned_for_the_browser_but_keep_their_ends():
     history = [sample(i, 1000.0 + i / 100, hits=i % 2, queries=1, evictions=i % 3 == 0) for i in range(1, 4001)]
-    data = views.series(history, stats(hit_tokens=2000, query_tokens=4000, hit_rate=0.5), now=1041.0)
-    assert len(data.ages) <= views.MAX_POINTS + 2
+    data = chart_series.series(history, stats(hit_tokens=2000, query_tokens=4000, hit_rate=0.5), now=1041.0)
+    assert len(data.ages) <= chart_series.MAX_POINTS + 2
     assert data.ages[0] == round(history[0].time - 1041.0, 3) and data.ages[-1] == 0.0
     assert data.evictions[-1] == sum(s.evictions for s in history) and data.hit_rate[-1] == 0.5
 

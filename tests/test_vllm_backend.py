@@ -33,8 +33,8 @@ import httpx
 import pytest
 
 from astrai.observation import CacheCleared, PageStored
-from astrai.playground.vllm_events import END_SEQ, AllBlocksCleared, BlockTracker, decode_batch, parse_frames
-from astrai.playground.vllm_metrics import parse_metrics
+from astrai.playground.backends.vllm.events import END_SEQ, AllBlocksCleared, BlockTracker, decode_batch, parse_frames
+from astrai.playground.backends.vllm.metrics import parse_metrics
 from tests.support import fake_vllm
 from tests.support.waiting import wait_until
 from tools import loadtest
@@ -92,7 +92,7 @@ def recorded_batches(name: str):
 
 
 def test_recorded_events_become_pages_events_and_owners(fake_http):
-    from astrai.playground.vllm_backend import VllmBackend, _Request
+    from astrai.playground.backends.vllm.backend import VllmBackend, _Request
 
     stub = StubSubscriber()
     backend = VllmBackend(fake_http, subscriber=stub, sample_every_s=3600)  # the test ticks by hand
@@ -147,8 +147,11 @@ def test_recorded_events_become_pages_events_and_owners(fake_http):
 
 
 def test_views_and_charts_say_n_a_for_what_vllm_does_not_report(fake_http):
-    from astrai.playground import charts, replay, tree, views
-    from astrai.playground.vllm_backend import VllmBackend
+    from astrai.playground.views import charts, replay, tree
+    from astrai.playground.views import pages as page_rules
+    from astrai.playground.views import series as chart_series
+    from astrai.playground.views import text as views
+    from astrai.playground.backends.vllm.backend import VllmBackend
 
     stub = StubSubscriber()
     with_events = VllmBackend(fake_http, subscriber=stub, sample_every_s=3600)
@@ -163,10 +166,10 @@ def test_views_and_charts_say_n_a_for_what_vllm_does_not_report(fake_http):
         assert "cached (derived)" in line and "free (derived)" in line
         for backend in (with_events, without):
             stats, history, snapshot = backend.stats(), backend.history(0), backend.snapshot()
-            series = views.series(history, stats, time.time())
+            series = chart_series.series(history, stats, time.time())
             for chart in (charts.occupancy_chart, charts.lru_chart, charts.hit_rate_chart):
                 chart(series)
-            pages = views.page_views(snapshot.pages, {}, "me", set(), backend.decode)
+            pages = page_rules.page_views(snapshot.pages, {}, "me", set(), backend.decode)
             figure = charts.page_map(pages, str)
             hover = json.dumps(figure.to_plotly_json()["data"][0]["text"])
             if backend is with_events:
@@ -184,7 +187,7 @@ def test_views_and_charts_say_n_a_for_what_vllm_does_not_report(fake_http):
 
 
 def test_bad_input_is_refused_before_anything_is_sent(fake_http):
-    from astrai.playground.vllm_backend import VllmBackend
+    from astrai.playground.backends.vllm.backend import VllmBackend
     from astrai.sampling import SamplingParams
 
     backend = VllmBackend(fake_http, sample_every_s=3600)
@@ -400,7 +403,7 @@ def run_args(panels: list[str], max_tokens: int) -> dict:
 @pytest.mark.vllm
 def test_vllm_four_panels_stream_and_equal_the_local_engine(vclient):
     from astrai import InferenceEngine
-    from astrai.playground.local_backend import EMBEDDED_MODEL
+    from astrai.playground.backends.local import EMBEDDED_MODEL
 
     job = vclient.submit(**run_args(PANELS, 24), api_name="/run")
     updates = list(job)
@@ -463,7 +466,7 @@ def test_vllm_page_map_holds_the_stored_blocks(vclient, vllm_url):
 
     from transformers import AutoTokenizer
 
-    from astrai.playground.local_backend import EMBEDDED_MODEL
+    from astrai.playground.backends.local import EMBEDDED_MODEL
 
     tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL)
     prompts = [tokenizer(PREFIX + p)["input_ids"] for p in PANELS]

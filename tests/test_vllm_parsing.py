@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from astrai.playground.vllm_events import (
+from astrai.playground.backends.vllm.events import (
     END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
@@ -28,7 +28,7 @@ from astrai.playground.vllm_events import (
     parse_frames,
     replay_frames,
 )
-from astrai.playground.vllm_metrics import MetricsParseError, VllmMetrics, parse_metrics
+from astrai.playground.backends.vllm.metrics import MetricsParseError, VllmMetrics, parse_metrics
 
 DATA = Path(__file__).parent / "data" / "vllm"
 POOL_BLOCKS_EVICT = 20  # --num-gpu-blocks-override of the eviction recording; vLLM keeps one as its null block

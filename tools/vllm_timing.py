@@ -28,7 +28,7 @@ import httpx
 from gradio_client import Client
 
 from astrai.playground.scenarios import SCENARIO_BY_NAME
-from astrai.playground.vllm_backend import SAMPLE_EVERY_S, VllmBackend
+from astrai.playground.backends.vllm.backend import SAMPLE_EVERY_S, VllmBackend
 from astrai.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import gradio as gr
 
-    from astrai.playground.backend import Backend
+    from astrai.playground.backends.protocol import Backend
 
 
 def create_app(backend: Backend | None = None) -> gr.Blocks:
     """Build the Blocks around ``backend`` (by default a shared in-process engine on the embedded model)."""
-    from astrai.playground.local_backend import LocalBackend
+    from astrai.playground.backends.local import LocalBackend
     from astrai.playground.service import PlaygroundService
     from astrai.playground.ui import build_demo
 

@@ -19,8 +19,8 @@ import gradio as gr
 
 from astrai.observation import PageEvicted
 from astrai.playground import charts, replay, tree, views
-from astrai.playground.backend import BackendError
-from astrai.playground.local_backend import EMBEDDED_LABEL, EngineSettings, LocalBackend
+from astrai.playground.backends.protocol import BackendError
+from astrai.playground.backends.local import EMBEDDED_LABEL, EngineSettings, LocalBackend
 from astrai.playground.scenarios import FOLLOW_UP, LESSON, SCENARIO_BY_NAME
 from astrai.playground.service import PlaygroundService, ShownRun, Visitor
 from astrai.sampling import SamplingParams

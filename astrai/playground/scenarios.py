@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from astrai.playground.local_backend import EngineSettings
+from astrai.playground.backends.local import EngineSettings
 
 
 @dataclass(frozen=True)

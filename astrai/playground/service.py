@@ -10,9 +10,9 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from astrai.playground.backend import Backend
-from astrai.playground.replay import Recording
-from astrai.playground.views import Owner, RunSummary
+from astrai.playground.backends.protocol import Backend
+from astrai.playground.views.replay import Recording
+from astrai.playground.views.text import Owner, RunSummary
 
 KEEP_OWNERS = 4096  # requests remembered; the oldest are forgotten first (their pages show as another session's)
 KEEP_VISITORS = 128  # visitors whose last run (replay, savings) is kept; the least recently active go first

@@ -15,7 +15,7 @@ import gradio as gr
 
 from astrai.playground import views
 from astrai.playground.callbacks import MAX_NEW_TOKENS, MAX_PANELS, MAX_PROMPT_CHARS, Components, Playground
-from astrai.playground.local_backend import (
+from astrai.playground.backends.local import (
     BATCH_SIZES,
     DTYPES,
     MODEL_CHOICES,

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from astrai.observation import PageEvicted, PageRecord
-from astrai.playground.views import Owner, visible_panels
+from astrai.playground.views.pages import Owner, visible_panels
 
 ROOT = "root"
 COLLAPSE_OVER = 64  # nodes; below this every page is its own node

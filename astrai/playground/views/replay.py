@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from astrai.observation import CacheSnapshot, PageRecord, StepSample
-from astrai.playground.views import Series
+from astrai.playground.views.series import Series
 
 
 @dataclass(frozen=True)

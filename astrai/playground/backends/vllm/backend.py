@@ -45,10 +45,10 @@ from astrai.observation import (
     RequestInfo,
     StepSample,
 )
-from astrai.playground.backend import BackendUnavailable, RunFailed, chat_messages, format_prompt
-from astrai.playground.vllm_events import KvEventSubscriber, TrackerSnapshot
-from astrai.playground.vllm_metrics import MetricsParseError, VllmMetrics, parse_metrics
-from astrai.playground.vllm_pages import BlockPages
+from astrai.playground.backends.protocol import BackendUnavailable, RunFailed, chat_messages, format_prompt
+from astrai.playground.backends.vllm.events import KvEventSubscriber, TrackerSnapshot
+from astrai.playground.backends.vllm.metrics import MetricsParseError, VllmMetrics, parse_metrics
+from astrai.playground.backends.vllm.pages import BlockPages
 from astrai.sampling import SamplingParams
 
 HTTP_TIMEOUT = httpx.Timeout(5.0, connect=2.0)

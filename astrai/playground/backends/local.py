@@ -11,7 +11,7 @@ from pathlib import Path
 
 from astrai import SUPPORTED_DTYPES, EngineClosedError, InferenceEngine, RequestFailedError, SamplingParams
 from astrai.observation import CacheSnapshot, CacheStats, EngineEvent, RequestInfo, StepSample
-from astrai.playground.backend import BackendUnavailable, RunFailed, format_prompt
+from astrai.playground.backends.protocol import BackendUnavailable, RunFailed, format_prompt
 from astrai.streams import GenerationStream
 
 EMBEDDED_MODEL = os.environ.get(

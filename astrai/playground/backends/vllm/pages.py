@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from astrai.observation import CacheCleared, EngineEvent, PageEvicted, PageRecord, PageStored
-from astrai.playground.vllm_events import BlockHash, TrackerSnapshot
+from astrai.playground.backends.vllm.events import BlockHash, TrackerSnapshot
 
 EventFactory = Callable[[int, int], EngineEvent]  # (seq, step) -> the event
 
