@@ -8,7 +8,9 @@ Counting rules (the charts' captions say exactly this):
 
 * ``query_tokens`` / ``hit_tokens`` count each request once, at its *first* admission: the prompt's tokens, and
   those served from the prefix cache. A request preempted and re-admitted is counted apart, in
-  ``readmitted_query_tokens`` / ``readmitted_hit_tokens``, so ``hit_tokens <= query_tokens`` always holds.
+  ``readmitted_query_tokens`` / ``readmitted_hit_tokens``, so ``hit_tokens <= query_tokens`` always holds. A
+  re-admission looks up the prompt and the tokens generated before the preemption (what it must recompute), so the
+  re-admission counters are over those, and ``readmitted_hit_tokens <= readmitted_query_tokens`` holds too.
 * A hit is capped at ``len(prompt) - 1``: the last prompt token is always recomputed for its logits.
 
 ``None`` means "this backend cannot know": the in-process engine fills every field, but a vLLM server
@@ -34,7 +36,9 @@ class CacheStats:
     cached_pages: int | None  # ref count 0, indexed, in the LRU (evictable); None: not reported
     query_tokens: int  # prompt tokens looked up, once per request (first admission)
     hit_tokens: int  # of those, tokens served from the prefix cache
-    readmitted_query_tokens: int | None  # tokens looked up again when a preempted request came back (vLLM: None)
+    # Looked up again when a preempted request came back: its prompt plus the tokens it had generated, as vLLM's
+    # ``preempted_queries`` counts them (vLLM's Prometheus metrics do not publish these: None).
+    readmitted_query_tokens: int | None
     readmitted_hit_tokens: int | None
     hit_rate: float  # hit_tokens / query_tokens, in [0, 1]
     recent_hit_rate: float  # the same over the last ``HIT_WINDOW`` first admissions
@@ -116,11 +120,23 @@ class CacheCleared(EngineEvent):
 
 @dataclass(frozen=True)
 class RequestAdmitted(EngineEvent):
-    """A waiting request got a batch slot; ``cached_tokens`` of it came from the prefix cache."""
+    """A waiting request got a batch slot, with the KV of its leading ``hit_pages`` served by the prefix cache.
+
+    A first admission looks up the prompt. A re-admission (after a preemption) looks up what it must recompute:
+    the prompt *and* the tokens generated so far, whose pages may still be cached too. The hit is reported split
+    at the prompt's end, so ``cached_tokens <= prompt_tokens`` always holds and never counts generated tokens:
+
+    * ``cached_tokens`` - prompt tokens served from the cache (at a first admission, at most ``prompt_tokens - 1``);
+    * ``cached_output_tokens`` - generated tokens served from the cache; 0 at a first admission.
+
+    Their sum is the hit the counters add: to ``hit_tokens`` at a first admission, to ``readmitted_hit_tokens`` at a
+    re-admission (see ``CacheStats``).
+    """
 
     request: int
     prompt_tokens: int
     cached_tokens: int
+    cached_output_tokens: int
     hit_pages: tuple[int, ...]
     readmission: bool  # True when it comes back after a preemption
 

@@ -77,12 +77,15 @@ class Scheduler:
             scheduled[req] = count
             budget -= count
             self.cache.mark_pending(req, req.num_computed + count)
+            hit = req.num_computed  # the tokens the prefix cache served: prompt first, then any output
+            cached_prompt = min(hit, req.prompt_len)
             self._emit(
                 RequestAdmitted,
                 request=req.id,
                 prompt_tokens=req.prompt_len,
-                cached_tokens=req.num_computed,
-                hit_pages=tuple(req.pages[: req.num_computed // self.cache.page_size]),
+                cached_tokens=cached_prompt,
+                cached_output_tokens=hit - cached_prompt,
+                hit_pages=tuple(req.pages[: hit // self.cache.page_size]),
                 readmission=req.preemptions > 0,
             )
 

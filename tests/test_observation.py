@@ -44,6 +44,21 @@ def test_hits_count_each_prompt_once_under_preemption(tight, tokenizer):
     assert stats.readmitted_query_tokens > 0  # the re-admissions are there, counted apart
 
 
+def test_a_readmission_never_reports_more_cached_prompt_tokens_than_the_prompt_has(tight):
+    """A re-admitted request looks up its prompt and its output so far: the event reports the two apart, so its
+    ``cached_tokens`` stays within the prompt, and the events add up to the counters."""
+    tight.generate(PROMPTS, max_tokens=40)
+    admitted = [e for e in tight.events() if isinstance(e, RequestAdmitted)]
+    assert all(e.cached_tokens <= e.prompt_tokens for e in admitted), [e for e in admitted if e.readmission]
+    readmitted = [e for e in admitted if e.readmission]
+    assert any(e.cached_output_tokens for e in readmitted), "the scenario must bring output pages back from cache"
+    assert not any(e.cached_output_tokens for e in admitted if not e.readmission)
+    stats = tight.cache_stats()
+    assert sum(e.cached_tokens for e in admitted if not e.readmission) == stats.hit_tokens
+    readmitted_hits = sum(e.cached_tokens + e.cached_output_tokens for e in readmitted)
+    assert readmitted_hits == stats.readmitted_hit_tokens < stats.readmitted_query_tokens
+
+
 def test_events_are_typed_numbered_and_stamped_with_their_step(tight):
     tight.generate(PROMPTS, max_tokens=40)
     tight.clear()
