@@ -1,6 +1,7 @@
 """astrai: a compact vLLM-style inference engine with a paged KV cache and a persistent prefix cache."""
 
-from astrai.engine import EngineClosedError, InferenceEngine, ModelLoadError, RequestFailedError
+from astrai.checkpoints import ModelLoadError, load_checkpoint
+from astrai.engine import EngineClosedError, InferenceEngine, RequestFailedError
 from astrai.model_runner import SUPPORTED_DTYPES
 from astrai.sampling import SamplingParams
 
@@ -9,6 +10,7 @@ __all__ = [
     "EngineClosedError",
     "InferenceEngine",
     "ModelLoadError",
+    "load_checkpoint",
     "RequestFailedError",
     "SamplingParams",
 ]

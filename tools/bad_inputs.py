@@ -8,7 +8,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from astrai.engine import InferenceEngine, ModelLoadError
+from astrai import InferenceEngine, ModelLoadError
 from tests.support.tiny_models import make_model, make_tokenizer, write_checkpoint
 
 PROMPT = "Once upon a time there was a little cat."
@@ -77,8 +77,8 @@ def report() -> str:
         tokenizer, model = engine.tokenizer, engine.runner.model
         rows.append(
             (
-                "a model already serving another engine",
-                _outcome(lambda: InferenceEngine(model, tokenizer, page_size=4, n_pages=8)),
+                "a model already serving another engine, in another dtype",
+                _outcome(lambda: InferenceEngine(model, tokenizer, page_size=4, n_pages=8, dtype="bfloat16")),
                 bool(engine.generate(PROMPT, max_tokens=2)),
             )
         )
