@@ -51,7 +51,7 @@ def page_key(parent: PageKey | None, tokens: Sequence[int], salt: str | None = N
 
 @dataclass
 class PoolStats:
-    """Counters that only ever grow; occupancy is derived from the pool's structures."""
+    """Counters that only ever grow; occupancy is the pool's: its free list, its LRU and ``used_pages``."""
 
     evictions: int = 0
     stored: int = 0
@@ -76,6 +76,7 @@ class PagePool:
         self.index: dict[PageKey, int] = {}
         self.lru: OrderedDict[int, None] = OrderedDict()  # first = least recently used
         self.free: list[int] = list(range(n_pages))  # a heap (a sorted list is one)
+        self._used = 0  # pages with ref count >= 1, kept as refs go 0 -> 1 -> 0 (see ``used_pages``)
         self.stats = PoolStats()
         self._emit: Emit = emit or _ignore
 
@@ -90,7 +91,9 @@ class PagePool:
 
     @property
     def used_pages(self) -> int:
-        return self.n_pages - len(self.free) - len(self.lru)
+        """Pages with ref count >= 1, counted as references are taken and dropped, not derived from the other two
+        states: so ``free + used + cached == n_pages`` is a check that a page lost or listed twice fails."""
+        return self._used
 
     @property
     def available(self) -> int:
@@ -119,6 +122,7 @@ class PagePool:
             if page not in self.lru:
                 raise RuntimeError(f"page {page} is free; only in-use or cached pages can be shared")
             del self.lru[page]
+            self._used += 1
         self.ref_count[page] += 1
         self.hits[page] += 1
         self.touch(page)
@@ -136,6 +140,7 @@ class PagePool:
         else:
             raise MemoryError("no free or evictable page left")
         self.ref_count[page] = 1
+        self._used += 1
         self.touch(page)
         return page
 
@@ -147,6 +152,7 @@ class PagePool:
             self.ref_count[page] -= 1
             self.touch(page)
             if self.ref_count[page] == 0:
+                self._used -= 1
                 if self.key[page] is not None:
                     self.lru[page] = None
                 else:
@@ -250,7 +256,9 @@ class PagePool:
             assert self.key[page] == key, f"index entry for page {page} disagrees with the page"
         indexed = {p for p in range(self.n_pages) if self.key[p] is not None}
         assert indexed == set(self.index.values()), "pages with keys and the index differ"
-        assert self.free_pages + self.cached_pages + self.used_pages == self.n_pages
+        referenced = sum(ref > 0 for ref in self.ref_count)
+        assert self.used_pages == referenced, f"used_pages {self.used_pages} != {referenced} referenced pages"
+        assert self.free_pages + self.cached_pages + self.used_pages == self.n_pages, "the states do not add up"
 
 
 def _ignore(event: type[EngineEvent], **fields: Any) -> None:

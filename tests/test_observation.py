@@ -77,6 +77,15 @@ def test_events_are_typed_numbered_and_stamped_with_their_step(tight):
 
 
 def test_step_history_has_one_sample_per_step_that_adds_up(tight, tokenizer):
+    states: list[tuple[int, int, int]] = []  # (free, in use, cached) pages of a snapshot taken with each sample
+    record = tight._record_step
+
+    def record_and_count(*args):
+        record(*args)
+        pages = tight.cache_snapshot().pages
+        states.append(tuple(sum(p.state == state for p in pages) for state in ("free", "in_use", "cached")))
+
+    tight._record_step = record_and_count
     tight.generate(PROMPTS, max_tokens=40)
     history = tight.history()
     stats = tight.cache_stats()
@@ -86,6 +95,7 @@ def test_step_history_has_one_sample_per_step_that_adds_up(tight, tokenizer):
     assert sum(s.evictions for s in history) == stats.evictions > 0
     assert sum(s.preemptions for s in history) == stats.preemptions
     assert all(s.free_pages + s.used_pages + s.cached_pages == stats.n_pages for s in history)
+    assert [(s.free_pages, s.used_pages, s.cached_pages) for s in history] == states  # each counted on its own
     assert sum(s.decode_tokens for s in history) > 0 and sum(s.prefill_tokens for s in history) > 0
     assert tight.history(after_step=history[-2].step) == history[-1:]
 

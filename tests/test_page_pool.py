@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import os
 
 import pytest
@@ -61,6 +62,26 @@ def test_in_use_pages_are_never_evicted():
     with pytest.raises(MemoryError):
         pool.allocate()
     assert pool.ref_count[a] == pool.ref_count[b] == 1
+
+
+def test_used_pages_are_counted_on_their_own_so_the_partition_can_fail():
+    """``used_pages`` counts the pages holding a reference; were it ``n - free - cached``, a page listed twice would
+    go unseen in the counts and ``free + used + cached == n`` could never fail."""
+    pool = PagePool(4, 2)
+    shared, cached = pool.allocate(), pool.allocate()
+    pool.register(cached, b"c", [1, 1], 0)
+    pool.acquire(shared)
+    pool.release([cached])
+    assert (pool.free_pages, pool.used_pages, pool.cached_pages) == (2, 1, 1)
+    pool.acquire(cached)  # a hit revives a cached page
+    pool.release([shared, cached, shared])
+    assert (pool.free_pages, pool.used_pages, pool.cached_pages) == (3, 0, 1)
+    page = pool.allocate()
+    heapq.heappush(pool.free, page)  # a bookkeeping bug: a page in use is also on the free list
+    assert pool.used_pages == 1
+    assert pool.free_pages + pool.used_pages + pool.cached_pages == pool.n_pages + 1
+    with pytest.raises(AssertionError):
+        pool.check_invariants()
 
 
 def test_clear_frees_cached_pages_and_unindexes_in_use_ones():
