@@ -6,7 +6,8 @@ may share it, because attention writes every new K/V of a layer before any reque
 submitted together compute their shared prefix once.
 
 Hit accounting follows vLLM's ``PrefixCacheStats``: a request's prompt is counted once, at its first admission;
-a preempted request that comes back is counted apart (``readmitted_*``), so the hit rate can never exceed 1.
+a preempted request that comes back is counted apart (``readmitted_*``), so the hit rate can never exceed 1. With
+prefix caching off nothing is looked up, and nothing is counted: the counters stay 0 rather than show a 0% hit rate.
 """
 
 from __future__ import annotations
@@ -61,14 +62,18 @@ class KVCacheManager:
             self.free(req)
             return 0
         hit = len(hits) * self.page_size
-        if req.cached_tokens is None:  # the first admission: the one the hit rate counts
+        readmission = req.cached_tokens is not None
+        if not readmission:
             req.cached_tokens = hit
+        if not self.prefix_caching:
+            return count  # nothing was looked up, so no query and no hit is counted
+        if readmission:
+            self.readmitted_query_tokens += len(req.token_ids)
+            self.readmitted_hit_tokens += hit
+        else:  # the first admission: the one the hit rate counts
             self.query_tokens += req.prompt_len
             self.hit_tokens += hit
             self._recent.append((req.prompt_len, hit))
-        else:
-            self.readmitted_query_tokens += len(req.token_ids)
-            self.readmitted_hit_tokens += hit
         return count
 
     def _match_prefix(self, req: Request) -> list[int]:

@@ -12,6 +12,8 @@ Counting rules (the charts' captions say exactly this):
   re-admission looks up the prompt and the tokens generated before the preemption (what it must recompute), so the
   re-admission counters are over those, and ``readmitted_hit_tokens <= readmitted_query_tokens`` holds too.
 * A hit is capped at ``len(prompt) - 1``: the last prompt token is always recomputed for its logits.
+* With prefix caching off (``CacheStats.prefix_caching`` False) nothing is looked up, so none of these counts
+  anything: they stay 0, as vLLM records no query then, and the hit rate is "off", not 0%.
 
 ``None`` means "this backend cannot know": the in-process engine fills every field, but a vLLM server
 (``astrai.playground.vllm_backend``) publishes only Prometheus counters and KV-cache events. It does not report a

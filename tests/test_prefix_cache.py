@@ -115,6 +115,21 @@ def test_prefix_caching_off_indexes_nothing(model, tokenizer):
         assert not eng.pool.index
 
 
+def test_prefix_caching_off_counts_no_lookups(model, tokenizer):
+    """Nothing is looked up with prefix caching off, so no query and no hit is counted (as vLLM records none): the
+    hit rate has nothing to show, rather than a 0% of lookups never made; ``prefix_caching`` says why."""
+    shared = "Once upon a time there was a little cat. "
+    prompts = [shared + tail for tail in ("The dog", "Lily and Tom", "The sun")]
+    with InferenceEngine(model, tokenizer, page_size=PAGE, n_pages=24, max_seq_len=200, prefix_caching=False) as eng:
+        eng.generate(prompts, max_tokens=40)
+        stats = eng.cache_stats()
+        assert stats.preemptions > 0, "re-admissions must be there to be left uncounted"
+        assert stats.prefix_caching is False
+        assert (stats.query_tokens, stats.hit_tokens) == (0, 0)
+        assert (stats.readmitted_query_tokens, stats.readmitted_hit_tokens) == (0, 0)
+        assert not any(s.query_tokens for s in eng.history())
+
+
 def test_cache_salt_isolates_namespaces(engine):
     prompt = "Once upon a time there was a little cat. The cat sat on the mat."
     engine.generate(prompt, max_tokens=1, cache_salt="alice")
