@@ -48,20 +48,25 @@ class KVCacheManager:
     def admit(self, req: Request, token_budget: int) -> int:
         """Attach the longest cached prefix and allocate pages for the first chunk.
 
-        Returns how many tokens to compute this step, or 0 (nothing held) when the pool cannot fit the chunk.
-        The hit is capped at ``len(tokens) - 1``: the last token is always recomputed for its logits.
+        Returns how many tokens to compute this step, or 0 when the pool cannot fit the chunk. The fit is checked
+        before any page is taken, so a refused admission changes nothing: no ref, no LRU move, no page hit and no
+        query counted (as in vLLM). A request waiting under pressure is looked up at every step, but only the
+        admission that succeeds counts. The hit is capped at ``len(tokens) - 1``: the last token is always
+        recomputed for its logits.
         """
         hits = self._match_prefix(req)
+        hit = len(hits) * self.page_size
+        count = min(len(req.token_ids) - hit, token_budget)
+        need = self._pages_for(hit + count) - len(hits)
+        revived = sum(self.pool.ref_count[page] == 0 for page in hits)  # cached hits leave the LRU: not evictable
+        if need + revived > self.pool.available:
+            return 0
         for page in hits:
             self.pool.acquire(page)
         req.pages = list(hits)
+        req.pages.extend(self.pool.allocate() for _ in range(need))
         req.indexed_pages = len(hits)
-        req.num_computed = len(hits) * self.page_size
-        count = min(len(req.token_ids) - req.num_computed, token_budget)
-        if not self.allocate(req, req.num_computed + count):
-            self.free(req)
-            return 0
-        hit = len(hits) * self.page_size
+        req.num_computed = hit
         readmission = req.cached_tokens is not None
         if not readmission:
             req.cached_tokens = hit
@@ -90,9 +95,12 @@ class KVCacheManager:
             hits.append(page)
         return hits
 
+    def _pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
     def allocate(self, req: Request, total_tokens: int) -> bool:
         """Make room for ``total_tokens`` of KV; all-or-nothing, so a failure leaves the request as it was."""
-        need = -(-total_tokens // self.page_size) - len(req.pages)
+        need = self._pages_for(total_tokens) - len(req.pages)
         if need > self.pool.available:
             return False
         req.pages.extend(self.pool.allocate() for _ in range(need))

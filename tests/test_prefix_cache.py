@@ -8,8 +8,9 @@ from astrai import InferenceEngine
 from astrai.kv_cache_manager import KVCacheManager
 from astrai.observation import PageStored, RequestAdmitted, RequestFinished
 from astrai.page_pool import PagePool
-from astrai.request import Request
+from astrai.request import Request, Status
 from astrai.sampling import SamplingParams
+from astrai.scheduler import Scheduler
 
 PAGE = 4
 
@@ -45,6 +46,43 @@ def test_hit_is_capped_so_the_last_token_is_recomputed():
     again = Request(prompt_ids=list(range(8)), params=SamplingParams())
     assert manager.admit(again, 1000) == 4  # page 1 is cached, but it holds the last token: recompute it
     assert again.cached_tokens == 4
+
+
+def step(scheduler: Scheduler) -> None:
+    """One engine step without a model: schedule, "compute" the scheduled tokens, register the full pages."""
+    for req, count in scheduler.schedule():
+        req.num_computed += count
+        scheduler.cache.commit(req)
+    scheduler.cache.end_step()
+
+
+def test_an_admission_refused_for_lack_of_pages_takes_and_counts_nothing():
+    """A request that waits for pages is looked up at every step, but only the admission that succeeds counts: its
+    prefix pages serve one hit each, its tokens are queried once, and a refused try leaves the pool untouched."""
+    pool = PagePool(6, PAGE)
+    manager = KVCacheManager(pool, prefix_caching=True)
+    scheduler = Scheduler(manager, max_batch_size=4, max_batched_tokens=1000, emit=lambda *_, **__: None)
+    first = Request(prompt_ids=list(range(9)), params=SamplingParams())
+    scheduler.add(first)
+    step(scheduler)
+    prefix = first.pages[:2]
+    scheduler.remove(first)  # its two full pages stay cached, its third goes free
+    hog = Request(prompt_ids=list(range(100, 116)), params=SamplingParams())  # takes the 4 free pages and keeps them
+    scheduler.add(hog)
+    step(scheduler)
+    late = Request(prompt_ids=list(range(8)) + [50, 51, 52, 53], params=SamplingParams())  # the prefix + one page
+    scheduler.add(late)
+    pool.take_touched()
+    for _ in range(12):
+        step(scheduler)
+        assert late.status is Status.WAITING and not late.pages
+    assert [pool.hits[page] for page in prefix] == [0, 0]
+    assert not pool.take_touched(), "a refused admission moved pages"
+    scheduler.remove(hog)
+    step(scheduler)
+    assert late.status is Status.RUNNING and late.pages[:2] == prefix
+    assert [pool.hits[page] for page in prefix] == [1, 1]
+    assert manager.query_tokens == 9 + 16 + 12 and manager.hit_tokens == late.cached_tokens == 8
 
 
 def shared_full_pages(a: list[int], b: list[int], a_computed: int) -> int:
