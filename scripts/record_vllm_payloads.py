@@ -43,8 +43,8 @@ import openai
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from astrai.playground.backends.vllm.events import KvEventSubscriber, replay_frames  # noqa: E402
 from astrai.playground.backends.vllm.metrics import parse_metrics  # noqa: E402
+from astrai.playground.backends.vllm.subscriber import KvEventSubscriber, replay_frames  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "tests" / "data" / "vllm"

@@ -33,8 +33,9 @@ import httpx
 import pytest
 
 from astrai.observation import CacheCleared, PageStored
-from astrai.playground.backends.vllm.events import END_SEQ, AllBlocksCleared, BlockTracker, decode_batch, parse_frames
+from astrai.playground.backends.vllm.encoding import END_SEQ, AllBlocksCleared, decode_batch, parse_frames
 from astrai.playground.backends.vllm.metrics import parse_metrics
+from astrai.playground.backends.vllm.tracker import BlockTracker
 from tests.support import fake_vllm
 from tests.support.waiting import wait_until
 from tools import loadtest
@@ -92,7 +93,8 @@ def recorded_batches(name: str):
 
 
 def test_recorded_events_become_pages_events_and_owners(fake_http):
-    from astrai.playground.backends.vllm.backend import VllmBackend, _Request
+    from astrai.playground.backends.vllm.backend import VllmBackend
+    from astrai.playground.backends.vllm.run import _Request
 
     stub = StubSubscriber()
     backend = VllmBackend(fake_http, subscriber=stub, sample_every_s=3600)  # the test ticks by hand
@@ -147,11 +149,11 @@ def test_recorded_events_become_pages_events_and_owners(fake_http):
 
 
 def test_views_and_charts_say_n_a_for_what_vllm_does_not_report(fake_http):
+    from astrai.playground.backends.vllm.backend import VllmBackend
     from astrai.playground.views import charts, replay, tree
     from astrai.playground.views import pages as page_rules
     from astrai.playground.views import series as chart_series
     from astrai.playground.views import text as views
-    from astrai.playground.backends.vllm.backend import VllmBackend
 
     stub = StubSubscriber()
     with_events = VllmBackend(fake_http, subscriber=stub, sample_every_s=3600)

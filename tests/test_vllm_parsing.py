@@ -15,20 +15,18 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from astrai.playground.backends.vllm.events import (
+from astrai.playground.backends.vllm.encoding import (
     END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    BlockTracker,
     EventDecodeError,
-    KvEventSubscriber,
-    SeqStatus,
     decode_batch,
     parse_frames,
-    replay_frames,
 )
 from astrai.playground.backends.vllm.metrics import MetricsParseError, VllmMetrics, parse_metrics
+from astrai.playground.backends.vllm.subscriber import KvEventSubscriber, replay_frames
+from astrai.playground.backends.vllm.tracker import BlockTracker, SeqStatus
 
 DATA = Path(__file__).parent / "data" / "vllm"
 POOL_BLOCKS_EVICT = 20  # --num-gpu-blocks-override of the eviction recording; vLLM keeps one as its null block

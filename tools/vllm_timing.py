@@ -27,8 +27,9 @@ from pathlib import Path
 import httpx
 from gradio_client import Client
 
+from astrai.playground.backends.vllm.backend import VllmBackend
+from astrai.playground.backends.vllm.sampler import SAMPLE_EVERY_S
 from astrai.playground.scenarios import SCENARIO_BY_NAME
-from astrai.playground.backends.vllm.backend import SAMPLE_EVERY_S, VllmBackend
 from astrai.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]

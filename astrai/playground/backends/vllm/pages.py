@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from astrai.observation import CacheCleared, EngineEvent, PageEvicted, PageRecord, PageStored
-from astrai.playground.backends.vllm.events import BlockHash, TrackerSnapshot
+from astrai.playground.backends.vllm.encoding import BlockHash
+from astrai.playground.backends.vllm.tracker import TrackerSnapshot
 
 EventFactory = Callable[[int, int], EngineEvent]  # (seq, step) -> the event
 

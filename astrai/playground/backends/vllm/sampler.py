@@ -1,0 +1,259 @@
+"""What the playground sees of a vLLM server's cache: ``/metrics`` and the KV-event tracker, sampled on a thread.
+
+vLLM has no engine steps a client can see, so a "step" here is a sample in which something changed: about four
+times a second the sampler reads ``/metrics`` (``metrics.parse_metrics``) and the tracker's snapshot, turns them
+into page events and stable pages (``pages.BlockPages``), and records a ``StepSample`` when anything moved. Its
+``page_changes`` come from the tracker; ``prefill_tokens`` / ``decode_tokens`` are ``None`` (not reported per step).
+Cached-but-unused blocks are *derived* (blocks held by the events − blocks in use by ``kv_cache_usage_perc``).
+
+Invariants:
+
+- One lock, the backend's: it also guards the requests the stream threads write, so a sample attributes pages to
+  requests as they stand between two chunks, never inside one.
+- ``step`` and event ``seq`` only grow; ``generation`` grows when the cache behind them may be another one: the
+  server answered again after an outage (the event subscriber is then told to resync), or the tracker saw its
+  publisher restart. Counters going back (a restart) give a sample of zero deltas, never negative ones.
+- ``stats()`` raises ``BackendUnavailable`` while ``/metrics`` cannot be read, or its last answer is older than
+  ``STALE_AFTER_S``: the UI says "backend unreachable" rather than show old numbers as current.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict, deque
+from typing import Any
+
+import httpx
+
+from astrai.observation import CacheSnapshot, CacheStats, EngineEvent, StepSample
+from astrai.playground.backends.protocol import BackendUnavailable
+from astrai.playground.backends.vllm.metrics import MetricsParseError, VllmMetrics, parse_metrics
+from astrai.playground.backends.vllm.pages import BlockPages
+from astrai.playground.backends.vllm.run import _Request
+from astrai.playground.backends.vllm.tracker import TrackerSnapshot
+
+METRICS_TIMEOUT = httpx.Timeout(2.0, connect=1.0)
+SAMPLE_EVERY_S = 0.25
+STALE_AFTER_S = 3.0  # stats() older than this: the sampler could not reach the server
+HIT_WINDOW_S = 60.0
+KEEP_EVENTS = 8192
+KEEP_SAMPLES = 4096
+MATCH_RECENT = 256  # the newest requests whose tokens attribute blocks to panels
+
+
+def _occupancy(metrics: VllmMetrics, snap: TrackerSnapshot | None) -> tuple[int, int, int | None, int | None]:
+    """``(blocks, in use, cached, free)``; cached and free are derived from the events (None without them)."""
+    n = metrics.num_blocks or 0
+    used = round((metrics.kv_cache_usage or 0.0) * n)
+    cached = max(0, snap.cached_copies - used) if snap is not None else None
+    return n, used, cached, max(0, n - used - cached) if cached is not None else None
+
+
+class Sampler:
+    """Samples the server into ``StepSample``s, events and pages; answers the backend's observation methods.
+
+    ``requests`` and ``outcomes`` are the backend's, read under ``lock``; ``subscriber`` (or None) gives tracker
+    snapshots, and is told to ``resync`` when the server answers again. :meth:`stop` joins the thread.
+    """
+
+    def __init__(
+        self,
+        http: httpx.Client,
+        url: str,
+        model: str,
+        lock: threading.Lock,
+        requests: OrderedDict[int, _Request],
+        outcomes: dict[str, int],
+        subscriber: Any,
+        every_s: float,
+    ):
+        self._http, self._url, self._model = http, url, model
+        self._lock, self._requests, self._outcomes = lock, requests, outcomes
+        self._subscriber = subscriber
+        self._every_s = every_s
+        self._generation = 1
+        self._metrics: VllmMetrics | None = None
+        self._metrics_at = 0.0
+        self._unreachable: str | None = None
+        self._step = 0
+        self._seq = 0
+        self._samples: deque[StepSample] = deque(maxlen=KEEP_SAMPLES)
+        self._events: deque[EngineEvent] = deque(maxlen=KEEP_EVENTS)
+        self._pages = BlockPages()
+        self._last_counts: dict[str, float] = {}
+        self._cursor: dict[int, int] = {}  # request id -> output tokens already put in a sample
+        self._last_signature: tuple = ()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="vllm-sampler")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=3)
+
+    def forget(self, request_id: int) -> None:
+        """Drop what the sampler keeps of a request the backend no longer keeps; the caller holds the lock."""
+        self._cursor.pop(request_id, None)
+
+    @property
+    def generation(self) -> int:
+        with self._lock:
+            return self._generation
+
+    @property
+    def unreachable(self) -> str | None:
+        with self._lock:
+            return self._unreachable
+
+    # ----- reads ----------------------------------------------------------------------------------------------
+    def stats(self) -> CacheStats:
+        with self._lock:
+            metrics, at, unreachable = self._metrics, self._metrics_at, self._unreachable
+            step, outcomes = self._step, dict(self._outcomes)
+            samples = [s for s in self._samples if s.time >= time.time() - HIT_WINDOW_S]
+        if unreachable or metrics is None or time.monotonic() - at > STALE_AFTER_S:
+            raise BackendUnavailable(unreachable or f"no answer from {self._url}/metrics for {STALE_AFTER_S:.0f} s")
+        snap = self._tracker()
+        n, used, cached, free = _occupancy(metrics, snap)
+        hits, queries = int(metrics.prefix_cache_hits or 0), int(metrics.prefix_cache_queries or 0)
+        window_hits, window_queries = sum(s.hit_tokens for s in samples), sum(s.query_tokens for s in samples)
+        return CacheStats(
+            n_pages=n,
+            page_size=metrics.block_size or (snap.block_size if snap else None) or 0,
+            free_pages=free,
+            used_pages=used,
+            cached_pages=cached,
+            query_tokens=queries,
+            hit_tokens=hits,
+            readmitted_query_tokens=None,
+            readmitted_hit_tokens=None,
+            hit_rate=hits / queries if queries else 0.0,
+            recent_hit_rate=window_hits / window_queries if window_queries else (hits / queries if queries else 0.0),
+            evictions=snap.removed_blocks if snap is not None else None,
+            stored_pages=snap.stored_blocks if snap is not None else None,
+            preemptions=int(metrics.preemptions or 0),
+            running=int(metrics.running or 0),
+            waiting=int(metrics.waiting or 0),
+            finished=outcomes["finished"],  # this app's requests (vLLM's per-reason counters are not read)
+            cancelled=outcomes["cancelled"],
+            failed=outcomes["failed"],
+            generated_tokens=outcomes["generated"],
+            steps=step,
+            prefix_caching=metrics.prefix_caching is not False,
+        )
+
+    def snapshot(self) -> CacheSnapshot:
+        with self._lock:
+            pages = self._pages.pages
+            return CacheSnapshot(self._step, tuple(pages[p] for p in sorted(pages)))
+
+    def events(self, after: int) -> list[EngineEvent]:
+        with self._lock:
+            return [e for e in self._events if e.seq > after]
+
+    def history(self, after_step: int) -> list[StepSample]:
+        with self._lock:
+            return [s for s in self._samples if s.step > after_step]
+
+    def _tracker(self) -> TrackerSnapshot | None:
+        return self._subscriber.snapshot() if self._subscriber is not None else None
+
+    # ----- sampling -------------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.wait(self._every_s):
+            try:
+                self.tick()
+            except Exception as exc:  # noqa: BLE001 - the sampler must outlive any surprise
+                with self._lock:
+                    self._unreachable = f"sampler error: {type(exc).__name__}: {exc}"
+
+    def _fetch_metrics(self) -> VllmMetrics:
+        response = self._http.get("/metrics", timeout=METRICS_TIMEOUT)
+        response.raise_for_status()
+        return parse_metrics(response.text, model_name=self._model)
+
+    def tick(self) -> None:
+        """One sample, on the caller's thread (the sampler's thread calls it every ``every_s``)."""
+        try:
+            metrics = self._fetch_metrics()
+        except (httpx.HTTPError, MetricsParseError) as exc:
+            reason = f"cannot read {self._url}/metrics ({type(exc).__name__}: {exc})"
+            with self._lock:
+                self._unreachable = reason
+            return
+        snap = self._tracker()
+        with self._lock:
+            recovered = self._unreachable is not None and self._metrics is not None
+            restarted = snap is not None and snap.restarts > self._pages.epoch[1]
+            if recovered or restarted:
+                self._generation += 1  # the cache behind us may be another one now
+            self._unreachable = None
+            self._metrics, self._metrics_at = metrics, time.monotonic()
+        if recovered and self._subscriber is not None:
+            self._subscriber.resync()
+        self._record(metrics, snap)
+
+    def _record(self, metrics: VllmMetrics, snap: TrackerSnapshot | None) -> None:
+        """Turn the newest metrics and tracker state into events, pages and (when anything moved) a sample."""
+        now = time.time()
+        with self._lock:
+            recent = list(self._requests.values())[-MATCH_RECENT:]
+            changes, events = self._pages.update(snap, recent, now) if snap is not None else ([], [])
+            counts = {
+                "hits": metrics.prefix_cache_hits or 0.0,
+                "queries": metrics.prefix_cache_queries or 0.0,
+                "preemptions": metrics.preemptions or 0.0,
+                "removed": float(snap.removed_blocks) if snap is not None else 0.0,
+            }
+            last = self._last_counts or counts
+            delta = {k: counts[k] - last.get(k, 0.0) for k in counts}
+            if any(v < 0 for v in delta.values()):  # a counter went back: the server restarted
+                delta = dict.fromkeys(counts, 0.0)
+            self._last_counts = counts
+            sampled = []
+            running = []
+            for rid, request in self._requests.items():
+                done = self._cursor.get(rid, 0)
+                if len(request.output_ids) > done:
+                    sampled += [(rid, t) for t in request.output_ids[done:]]
+                    self._cursor[rid] = len(request.output_ids)
+                if request.status in ("waiting", "running"):
+                    running.append(rid)
+            _, used, cached, free = _occupancy(metrics, snap)
+            signature = (used, cached, metrics.running, metrics.waiting, tuple(running))
+            moved = changes or events or sampled or any(delta.values()) or signature != self._last_signature
+            self._last_signature = signature
+            if not moved:
+                return
+            previous = self._samples[-1].time if self._samples else now - self._every_s
+            self._step += 1
+            step = self._step
+            for event in events:
+                self._seq += 1
+                self._events.append(event(self._seq, step))
+            self._samples.append(
+                StepSample(
+                    step=step,
+                    time=now,
+                    duration_s=max(0.0, now - previous),
+                    free_pages=free,
+                    used_pages=used,
+                    cached_pages=cached,
+                    prefill_tokens=None,
+                    decode_tokens=None,
+                    hit_tokens=int(delta["hits"]),
+                    query_tokens=int(delta["queries"]),
+                    evictions=int(delta["removed"]) if snap is not None else None,
+                    preemptions=int(delta["preemptions"]),
+                    requests=tuple(running),
+                    sampled=tuple(sampled),
+                    page_changes=tuple(changes),
+                )
+            )
+
+
+__all__ = ["SAMPLE_EVERY_S", "Sampler"]
