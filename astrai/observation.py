@@ -16,7 +16,7 @@ Counting rules (the charts' captions say exactly this):
   anything: they stay 0, as vLLM records no query then, and the hit rate is "off", not 0%.
 
 ``None`` means "this backend cannot know": the in-process engine fills every field, but a vLLM server
-(``astrai.playground.vllm_backend``) publishes only Prometheus counters and KV-cache events. It does not report a
+(``astrai.playground.backends.vllm``) publishes only Prometheus counters and KV-cache events. It does not report a
 block's ref count, the LRU order, how many hits a block served, re-admissions counted apart, or per-step prefill
 and decode token counts, and without KV events it says nothing about cached-but-unused blocks, evictions or stored
 blocks. Those fields are ``None`` there (typed ``int | None`` below), and the views say "n/a" rather than invent.
