@@ -12,11 +12,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from astrai.checkpoints import load_checkpoint
 from astrai.detokenizer import IncrementalDetokenizer
 from astrai.kv_cache_manager import KVCacheManager
-from astrai.model_runner import SUPPORTED_DTYPES, ModelRunner, check_supported, kv_bytes_per_token
+from astrai.model_runner import SUPPORTED_DTYPES, ModelRunner, kv_bytes_per_token
 from astrai.observation import (
     CacheCleared,
     CacheSnapshot,
@@ -41,10 +42,6 @@ class EngineClosedError(RuntimeError):
     """The engine was shut down (or its loop died) before the request could finish."""
 
 
-class ModelLoadError(ValueError):
-    """A checkpoint could not be loaded: missing, unsupported, pickle-only, or asking for remote code."""
-
-
 class RequestFailedError(RuntimeError):
     """A step that computed this request raised; the message names the cause."""
 
@@ -52,11 +49,21 @@ class RequestFailedError(RuntimeError):
 class InferenceEngine:
     """A paged-KV, prefix-caching, continuously batching engine over a transformers causal LM.
 
+    A model already serving another engine is shared, not loaded or prepared again: each engine has its own pool,
+    scheduler and KV tensors, and they take turns at the model's forward; the options that prepare the model
+    (``dtype``, ``packed_weights``, ``attention_kernel``, ``compile``) must then equal the first engine's, or the
+    constructor raises ``ValueError``. The last engine on the model to shut down hands it back as it came.
+
     Threads and locks (who owns what):
 
     * The **loop thread** (``astrai-engine``) is the only writer of the scheduler, the cache manager, the page pool,
-      the requests' progress and the model runner. It mutates them under ``_lock`` and runs the forward *outside*
-      it, reading only what no other thread writes (the scheduled requests' tokens and page tables).
+      the requests' progress and the model runner (with this engine's KV tensors). It mutates them under ``_lock``
+      and runs the forward *outside* it, reading only what no other thread writes (the scheduled requests' tokens
+      and page tables).
+    * The **model** is prepared once per model object and shared by every engine on it (``PreparedModel`` in
+      ``model_runner.py``): read-only while served, its forwards serialised by that object's ``forward_lock``, which
+      each loop thread holds for one model call, never together with ``_lock``. Engines on one model wait for each
+      other there only.
     * **Caller threads** (``generate``, ``cancel``, ``clear``, the readers) take ``_lock`` for a short critical
       section: submit appends to the waiting queue, ``cancel`` records ids that the loop applies at its next step,
       ``clear`` unindexes cached pages. ``_work_arrived`` (a Condition on ``_lock``) wakes the idle loop.
@@ -65,8 +72,9 @@ class InferenceEngine:
       wait for a schedule or a forward.
     * No user code runs under either lock: text deltas and errors are put on the consumers' queues after
       ``_lock`` is released, and only by the loop thread, so each stream sees its items in order.
-    * ``shutdown()`` only flags the loop and waits; the loop itself fails what is left and hands the model back,
-      so a forward that is still running never sees its pages freed or its model changed.
+    * ``shutdown()`` only flags the loop and waits; the loop itself fails what is left, drops its KV tensors and
+      releases its share of the model (the last engine on it hands the model back), so a forward that is still
+      running never sees its pages freed or its model changed.
     """
 
     def __init__(
@@ -151,21 +159,7 @@ class InferenceEngine:
     @classmethod
     def from_pretrained(cls, name_or_path: str, dtype: str = "float32", **options: Any) -> InferenceEngine:
         """Load a safetensors checkpoint with transformers (never pickle, never remote code)."""
-        if dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(SUPPORTED_DTYPES)}, got {dtype!r}")
-        try:
-            config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=False)
-            check_supported(config)
-            model = AutoModelForCausalLM.from_pretrained(
-                name_or_path,
-                config=config,
-                use_safetensors=True,
-                trust_remote_code=False,
-                dtype=SUPPORTED_DTYPES[dtype],
-            )
-            tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=False)
-        except (OSError, ValueError, KeyError) as exc:
-            raise ModelLoadError(f"cannot load {name_or_path!r}: {exc}") from exc
+        model, tokenizer = load_checkpoint(name_or_path, dtype)
         return cls(model, tokenizer, dtype=dtype, **options)
 
     # ----- the public API -------------------------------------------------------------------------------
@@ -346,9 +340,10 @@ class InferenceEngine:
     def shutdown(self, timeout: float = 10.0) -> bool:
         """Stop the loop; unfinished requests get an ``EngineClosedError``.
 
-        The loop, not this call, fails the requests and hands the model back as it came, once any running forward
-        has returned. Returns True when that is done within ``timeout``; False when a forward is still running
-        (consumers are told at once anyway: their streams see the engine closed within ``POLL_SECONDS``).
+        The loop, not this call, fails the requests and releases the model once any running forward has returned;
+        the last engine sharing the model hands it back as it came. Returns True when that is done within
+        ``timeout``; False when a forward is still running (consumers are told at once anyway: their streams see
+        the engine closed within ``POLL_SECONDS``).
         """
         with self._lock:
             self._closed = True
@@ -429,7 +424,7 @@ class InferenceEngine:
             with self._lock:
                 outbox = self._fail([*self.scheduler.running, *self.scheduler.waiting], closing)
             _deliver(outbox)
-            self.runner.restore()
+            self.runner.release()  # the last engine on the model restores it
 
     def _step(self) -> None:
         """Schedule, run the model, sample, and stream. A failure fails only this step's requests."""

@@ -1,21 +1,25 @@
 """Runs one step of a transformers causal LM over the paged KV cache.
 
-The model definition is transformers' own; the runner only switches its attention implementation to ours,
-owns the KV tensors, flattens the scheduled requests into one ``[1, T]`` row and computes logits just for the
-rows that sample. Unless told not to, it fuses and packs the model's linear weights (``packed_linear.py``) and
-attends decodes with the C kernel where it builds (``paged_kernel.py``). With ``compile=True`` the same fused, packed
-layers are compiled into one graph with the rest of the model (inductor freezing makes their weights constants).
+The model definition is transformers' own; serving it takes two parts. ``PreparedModel`` prepares the model in
+place, once for every engine built on it: it switches its attention implementation to ours and, unless told not to,
+fuses and packs its linear weights (``packed_linear.py``), picks the C kernel to attend decodes where it builds
+(``paged_kernel.py``), and with ``compile=True`` compiles the same fused, packed layers into one graph with the rest
+of the model (inductor freezing makes their weights constants). ``ModelRunner`` is one engine's: it owns that
+engine's KV tensors, flattens its scheduled requests into one ``[1, T]`` row and computes logits just for the rows
+that sample, through the prepared model it shares with any other engine on the same model object.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
+from dataclasses import dataclass
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
-from astrai.attention import ATTN_IMPLEMENTATION, build_paged_batch, serving
+from astrai.attention import ATTN_IMPLEMENTATION, PagedBatch, build_paged_batch, serving
 from astrai.packed_linear import pack_linears, packing_supported, unpack_linears
 from astrai.paged_kernel import DecodeKernel, load_decode_kernel
 from astrai.request import Request
@@ -44,8 +48,9 @@ def check_supported(config: PretrainedConfig) -> None:
 def _convert_floating(model: PreTrainedModel, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Cast the model's floating parameters and buffers to ``dtype`` in place; return (tensor, original data).
 
-    The originals are kept so ``restore`` hands the exact weights back: a float32 model served in bfloat16 holds
-    both copies while it serves (1.5x its weights). A checkpoint loaded in the serving dtype converts nothing.
+    The originals are kept so ``PreparedModel.restore`` hands the exact weights back: a float32 model served in
+    bfloat16 holds both copies while it serves (1.5x its weights, however many engines share it). A checkpoint loaded
+    in the serving dtype converts nothing.
     """
     converted = []
     for tensor in [*model.parameters(), *model.buffers()]:
@@ -61,46 +66,102 @@ def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-class ModelRunner:
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        n_pages: int,
-        page_size: int,
-        dtype: torch.dtype,
-        packed_weights: bool = True,
-        attention_kernel: bool = True,
-        compile: bool = False,
-    ):
+@dataclass(frozen=True)
+class Preparation:
+    """How a model is prepared for serving: what every engine sharing one model must agree on."""
+
+    dtype: torch.dtype
+    packed_weights: bool = True
+    attention_kernel: bool = True
+    compile: bool = False
+
+    def differences(self, other: Preparation) -> list[str]:
+        """``name=asked (serving: name=held)`` for each option that differs from ``other`` (the one being served)."""
+        names = {v: k for k, v in SUPPORTED_DTYPES.items()}
+        found = []
+        for field in ("dtype", "packed_weights", "attention_kernel", "compile"):
+            asked, held = getattr(self, field), getattr(other, field)
+            if asked != held:
+                found.append(f"{field}={names.get(asked, asked)!s} (it serves with {names.get(held, held)!s})")
+        return found
+
+
+_prepared: dict[int, PreparedModel] = {}  # id(model) -> its preparation; the entry keeps the model alive
+_prepared_lock = threading.Lock()  # _prepared and every PreparedModel's users; never held during a forward
+
+
+class PreparedModel:
+    """One transformers model prepared in place for serving, shared by every engine built on it with the same
+    ``Preparation``, reference-counted, and handed back as it came by the last one to release it.
+
+    Who owns what, under which lock:
+
+    * The **preparation** (the converted dtype and the original tensors, the attention implementation, the packed
+      layers, the decode kernel choice, the compiled forward) is made by the first ``acquire`` and undone by the last
+      ``release``, both under the module's ``_prepared_lock``, which also guards the registry of prepared models and
+      each one's count of users. Between the two it is read-only: no engine changes the model while another uses it.
+    * The **forward** is serialised by ``forward_lock``, one per prepared model: every model call of every engine
+      sharing it holds it, for that call only. The packed layers' ``FusedProduct`` keeps per-call state and a
+      compiled graph is not safe for two threads at once; on a machine of few cores two concurrent forwards would
+      not be faster anyway (each already runs on every core). Engines sharing a model thus take turns at the forward
+      and at nothing else: each schedules, builds its paged batch and samples on its own loop thread.
+    * The **KV tensors** are not here: each engine's ``ModelRunner`` owns its own, written only by forwards of that
+      engine (the paged batch reaches attention through the ``serving`` ContextVar of the thread calling the model).
+
+    ``_prepared_lock`` is never taken while ``forward_lock`` is held, nor the other way round: the last release
+    happens once no engine is left to call a forward.
+    """
+
+    def __init__(self, model: PreTrainedModel, preparation: Preparation):
+        """Prepare ``model`` in place; callers go through ``acquire`` (under ``_prepared_lock``)."""
         config = model.config
-        check_supported(config)
-        if config._attn_implementation == ATTN_IMPLEMENTATION:  # its layers are re-wired for another engine
-            raise ValueError("this model already serves another InferenceEngine: shut that one down, or pass a copy")
-        self.page_size = page_size
+        dtype = preparation.dtype
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        self.model = model
+        self.preparation = preparation
         self.groups = heads // kv_heads
-        kernel = load_decode_kernel() if attention_kernel else None
+        self.forward_lock = threading.Lock()
+        self.users = 0
+        kernel = load_decode_kernel() if preparation.attention_kernel else None
         self.decode_kernel: DecodeKernel | None = (
             kernel if kernel is not None and kernel.supports(dtype, self.groups, head_dim) else None
         )
-        slots = n_pages * page_size
-        # the KV tensors first: a pool too large for memory fails here, before the model is touched
-        self.kv_cache = [
-            (torch.zeros(kv_heads, slots, head_dim, dtype=dtype), torch.zeros(kv_heads, slots, head_dim, dtype=dtype))
-            for _ in range(config.num_hidden_layers)
-        ]
-        self.model = model
         self.was_training = model.training
         self.original_tensors = _convert_floating(model, dtype)
         model.eval()
         self.previous_attn = config._attn_implementation
-        self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        pack = packed_weights and packing_supported(dtype)
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        pack = preparation.packed_weights and packing_supported(dtype)
         self.packed_linears = self._pack() if pack else 0
         # eager steps call the model itself (so a wrapper put on its forward later, as the soak's faults, still runs)
-        self.compiled = torch.compile(model.forward, dynamic=True) if compile else None
+        self.compiled = torch.compile(model.forward, dynamic=True) if preparation.compile else None
+
+    @staticmethod
+    def check(model: PreTrainedModel, preparation: Preparation) -> None:
+        """Raise ``ValueError`` if ``model`` cannot serve another engine prepared as ``preparation``."""
+        with _prepared_lock:
+            _check_locked(model, preparation)
+
+    @staticmethod
+    def acquire(model: PreTrainedModel, preparation: Preparation) -> PreparedModel:
+        """The model's preparation, made now if no engine holds it yet; counts one more user."""
+        with _prepared_lock:
+            prepared = _check_locked(model, preparation)
+            if prepared is None:
+                prepared = _prepared[id(model)] = PreparedModel(model, preparation)
+            prepared.users += 1
+            return prepared
+
+    def release(self) -> None:
+        """One user fewer; the last one gives the model back as it came (``restore``). Call once per ``acquire``,
+        with none of that user's forwards running."""
+        with _prepared_lock:
+            self.users -= 1
+            if self.users == 0:
+                del _prepared[id(self.model)]
+                self.restore()
 
     def _pack(self) -> int:
         """Packing is only a speed-up: where oneDNN refuses a weight, the model keeps its own layers."""
@@ -117,8 +178,111 @@ class ModelRunner:
         for tensor, original in self.original_tensors:
             tensor.data = original
         self.original_tensors = []
+        self.compiled = None
         self.model.train(self.was_training)
         self.model.set_attn_implementation(self.previous_attn)
+
+    def forward(
+        self, batch: PagedBatch, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor
+    ) -> torch.Tensor:
+        """The model over one engine's step (``batch`` in that engine's KV tensors), under ``forward_lock``."""
+        with self.forward_lock:
+            forward, freezing = self.model, contextlib.nullcontext()
+            if self.compiled is not None:
+                # freezing is patched in around the call rather than passed as torch.compile's option, which left
+                # every weight a graph input here (torch 2.13): unpacked, and refused by the packed layers' op
+                forward, freezing = self.compiled, torch._inductor.config.patch(freezing=True)
+                # unbacked: a step of one token (or one sampled row) must not get a graph of its own, as a size of 1
+                # otherwise would; one graph then serves every step
+                for tensor, dim in ((tokens, 1), (positions, 1), (rows, 0)):
+                    torch._dynamo.decorators.mark_unbacked(tensor, dim)
+            with serving(batch), freezing:
+                out = forward(input_ids=tokens, position_ids=positions, use_cache=False, logits_to_keep=rows)
+            return out.logits[0]
+
+
+def _check_locked(model: PreTrainedModel, preparation: Preparation) -> PreparedModel | None:
+    """The model's live preparation if it matches ``preparation``, None if it has none; else ``ValueError``."""
+    prepared = _prepared.get(id(model))
+    if prepared is None:
+        if model.config._attn_implementation == ATTN_IMPLEMENTATION:
+            raise ValueError(
+                "this model's layers are already wired for astrai, but no InferenceEngine serves it (a copy of a "
+                "serving model?): pass the model as loaded"
+            )
+        return None
+    differences = preparation.differences(prepared.preparation)
+    if differences:
+        raise ValueError(
+            "this model already serves another InferenceEngine, prepared differently: this one asks for "
+            f"{', '.join(differences)}. Engines sharing one model must agree on dtype, packed_weights, "
+            "attention_kernel and compile: pass the same, shut the other engine down, or pass a copy of the model"
+        )
+    return prepared
+
+
+class ModelRunner:
+    """One engine's runner: its own KV tensors, over a ``PreparedModel`` it may share with other engines.
+
+    The engine's loop thread is the only one to call ``step`` and ``release``; ``step`` builds the paged batch on
+    that thread and runs the forward under the prepared model's ``forward_lock``.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        n_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        packed_weights: bool = True,
+        attention_kernel: bool = True,
+        compile: bool = False,
+    ):
+        config = model.config
+        check_supported(config)
+        preparation = Preparation(dtype, packed_weights, attention_kernel, compile)
+        PreparedModel.check(model, preparation)  # a conflict is refused before any memory is taken
+        self.page_size = page_size
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        slots = n_pages * page_size
+        # the KV tensors first: a pool too large for memory fails here, before the model is touched
+        self.kv_cache = [
+            (torch.zeros(kv_heads, slots, head_dim, dtype=dtype), torch.zeros(kv_heads, slots, head_dim, dtype=dtype))
+            for _ in range(config.num_hidden_layers)
+        ]
+        self.prepared = PreparedModel.acquire(model, preparation)
+        self._released = False
+
+    @property
+    def model(self) -> PreTrainedModel:
+        return self.prepared.model
+
+    @property
+    def groups(self) -> int:
+        return self.prepared.groups
+
+    @property
+    def decode_kernel(self) -> DecodeKernel | None:
+        return self.prepared.decode_kernel
+
+    @property
+    def packed_linears(self) -> int:
+        return self.prepared.packed_linears
+
+    @property
+    def compiled(self) -> object | None:
+        return self.prepared.compiled
+
+    def release(self) -> None:
+        """Drop this engine's KV tensors and its share of the model; the last engine on the model gives it back
+        as it came (``PreparedModel.restore``). Idempotent; call with no forward of this runner running."""
+        if self._released:
+            return
+        self._released = True
+        self.kv_cache = []
+        self.prepared.release()
 
     @torch.inference_mode()
     def step(self, work: list[tuple[Request, int]]) -> torch.Tensor:
@@ -141,15 +305,4 @@ class ModelRunner:
         )
         tokens, positions_t = torch.tensor([input_ids]), torch.tensor([positions])
         rows = torch.tensor(sample_rows, dtype=torch.long)
-        forward, freezing = self.model, contextlib.nullcontext()
-        if self.compiled is not None:
-            # freezing is patched in around the call rather than passed as torch.compile's option, which left every
-            # weight a graph input here (torch 2.13): unpacked, and refused by the packed layers' op
-            forward, freezing = self.compiled, torch._inductor.config.patch(freezing=True)
-            # unbacked: a step of one token (or one sampled row) must not get a graph of its own, as a size of 1
-            # otherwise would; one graph then serves every step
-            for tensor, dim in ((tokens, 1), (positions_t, 1), (rows, 0)):
-                torch._dynamo.decorators.mark_unbacked(tensor, dim)
-        with serving(batch), freezing:
-            out = forward(input_ids=tokens, position_ids=positions_t, use_cache=False, logits_to_keep=rows)
-        return out.logits[0]
+        return self.prepared.forward(batch, tokens, positions_t, rows)

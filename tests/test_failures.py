@@ -105,17 +105,18 @@ def test_bad_input_gets_a_clear_error_and_loses_nothing(engine, bad):
 
 def test_the_bad_input_report_lists_every_case_with_its_error():
     rows = report().splitlines()[2:]
-    # + a model shared by two engines + pool overflow + unknown model id
+    # + a model shared by two engines prepared differently + pool overflow + unknown model id
     assert len(rows) == len(BAD_CALLS) + 3 + len(BAD_CHECKPOINTS)
     assert all(re.search(r"\| `(ValueError|TypeError|ModelLoadError)`: \w", row) for row in rows), rows
     assert not any(row.endswith("| NO |") for row in rows)
 
 
-def test_a_model_cannot_serve_two_engines_at_once(engine):
-    """The second engine would re-wire the first one's layers under it; it is refused, and the first serves on."""
+def test_a_model_cannot_serve_two_engines_prepared_differently(engine):
+    """A second engine in another dtype would re-wire the first one's layers under it; it is refused, and the first
+    serves on (engines that agree share the model: tests/test_shared_weights.py)."""
     expected = engine.generate(PROMPT, max_tokens=6)
-    with pytest.raises(ValueError, match="already serves another InferenceEngine"):
-        InferenceEngine(engine.runner.model, engine.tokenizer, page_size=4, n_pages=8)
+    with pytest.raises(ValueError, match="already serves another InferenceEngine.*dtype=bfloat16"):
+        InferenceEngine(engine.runner.model, engine.tokenizer, page_size=4, n_pages=8, dtype="bfloat16")
     assert engine.generate(PROMPT, max_tokens=6) == expected
 
 
