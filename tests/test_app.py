@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from astrai import InferenceEngine
-from astrai.playground.backends.local import EMBEDDED_MODEL
+from astrai.playground.backends.profiles import EMBEDDED_LABEL, EMBEDDED_MODEL
 from tests.support.waiting import wait_until
 from tools import loadtest
-from tools.browser import CHROMIUM, open_playground
+from tools.browser import CHROMIUM, open_playground, open_visitors
 from tools.loadtest import launch_app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -204,11 +204,28 @@ def test_another_session_never_sees_my_text_and_isolation_works(server_url):
     assert bob_cached(isolate=False) > 0  # the shared namespace hits them (without showing her text)
 
 
-def test_a_model_that_cannot_load_leaves_the_current_one_serving(client):
-    status = client.predict("Qwen3-0.6B (hub)", 16, 256, 8, True, "float32", api_name="/apply_settings")
-    assert "Could not load" in status and "Still serving **tinystories-llama" in status
-    outputs = client.predict(**run_args(PANELS[:1], 4), api_name="/run")
-    assert outputs[0], "the embedded model still answers"
+def test_no_api_call_changes_what_the_default_profile_serves(server_url):
+    """Every endpoint that picks settings, a scenario or a model acts on the caller's own profile: a visitor who
+    never touched them still gets the default engine (it was rebuilt for everybody before profiles)."""
+    from gradio_client import Client
+    from gradio_client.exceptions import AppError
+
+    mallory, alice = Client(server_url, verbose=False), Client(server_url, verbose=False)
+    default = {k: alice.predict(api_name="/cache_stats")[k] for k in ("n_pages", "page_size", "prefix_caching")}
+    assert default == {"n_pages": 1024, "page_size": 16, "prefix_caching": True}
+    with pytest.raises(AppError, match="not in the list of choices|not offered"):  # hub models are off by default
+        mallory.predict("Qwen3-0.6B (hub)", 16, 256, 8, True, "float32", api_name="/apply_settings")
+    outputs = mallory.predict(EMBEDDED_LABEL, 8, 64, 2, False, "float32", api_name="/apply_settings")
+    status = next(o for o in outputs if isinstance(o, str) and "engine" in o)
+    assert "your own settings" in status and "64 pages × 8 tokens" in status
+    mallory.predict("Eviction pressure (small pool)", api_name="/load_scenario")
+    assert mallory.predict(api_name="/cache_stats")["n_pages"] == 40, "control: the caller did move"
+    for name in ("/clear_cache", "/after_run"):
+        mallory.predict(api_name=name)
+    after = {k: alice.predict(api_name="/cache_stats")[k] for k in default}
+    assert after == default
+    outputs = alice.predict(**run_args(PANELS[:1], 4), api_name="/run")
+    assert outputs[0], "the default engine still answers"
 
 
 def states_in(figure_json: str) -> dict[int, str]:
@@ -326,7 +343,8 @@ def test_browser_lesson_steps_load_their_scenario_and_point_at_a_view(laptop):
 
     page = laptop
     for number, step in enumerate(LESSON, start=1):
-        page.click("#lesson_next")
+        if number > 1:  # the page opens on the first step
+            page.click("#lesson_next")
         page.wait_for_function(
             f"document.querySelector('#scenario_note').innerText.includes('Lesson {number}/{len(LESSON)}')",
             timeout=60000,
@@ -336,3 +354,54 @@ def test_browser_lesson_steps_load_their_scenario_and_point_at_a_view(laptop):
             f"document.querySelector('#prompt_0 textarea').value === {json.dumps(first_prompt)}", timeout=30000
         )
         page.wait_for_function(f"document.getElementById('{step.look_at}').style.outline.includes('solid')")
+
+
+@pytest.mark.browser
+def test_browser_a_fresh_pages_first_run_streams(page):
+    """The page opens on the lesson's first step, its prompts filled in: the first click on Run streams (it said
+    "Panel 1 has an empty prompt" when the page opened empty)."""
+    assert "Lesson 1/" in page.locator("#scenario_note").inner_text()
+    page.click("#run_btn")
+    page.wait_for_function(
+        "[0,1,2,3].every(i => document.querySelector(`#out_${i} textarea`).value.length > 10)", timeout=60000
+    )
+    page.wait_for_function("/TTFT/.test(document.querySelector('#badge_0').innerText)", timeout=30000)
+
+
+def stats_text(page) -> str:
+    return page.locator("#stats").inner_text()
+
+
+@pytest.mark.browser
+def test_browser_two_visitors_one_scenario_each_neither_disturbs_the_other(server_url):
+    """A streams 256 tokens on the shared-system-prompt engine while B picks the eviction scenario and runs it
+    twice: A's run ends with every panel finished on an unchanged pool, and B's runs really used the small pool."""
+    if not shutil.which(CHROMIUM):
+        pytest.skip("Debian chromium is not installed (.ci/run installs it)")
+    with open_visitors(server_url, 2, viewport=(1366, 768)) as (a, b):
+        a.get_by_text("Sampling").first.click()
+        a.locator("#max_tokens input[type=number]").fill("256")
+        a.locator("#max_tokens input[type=number]").press("Enter")
+        a.locator("#prefix textarea").fill("")
+        a.locator("#prompt_0 textarea").fill("and then " * 15)  # greedy, this panel runs to all 256 tokens
+        a.wait_for_function("/1024 pages × 16 tokens/.test(document.querySelector('#stats').innerText)", timeout=30000)
+        a.click("#run_btn")
+        a.wait_for_function("document.querySelector('#out_0 textarea').value.length > 10", timeout=60000)
+        b.locator("#scenario input").click()
+        b.get_by_role("option", name="Eviction pressure (small pool)").click()
+        b.wait_for_function("/40 pages × 16 tokens/.test(document.querySelector('#stats').innerText)", timeout=60000)
+        for _ in range(2):  # the second run finds the LRU full of the first one's pages
+            b.click("#run_btn")
+            b.wait_for_function(
+                "(document.querySelector('#requests').innerText.match(/finished/g) || []).length >= 6", timeout=120000
+            )
+        b.wait_for_function("/[1-9]\\d* evictions/.test(document.querySelector('#stats').innerText)", timeout=30000)
+        assert "small pool" in stats_text(b)
+        a.wait_for_function(
+            "(document.querySelector('#requests').innerText.match(/finished/g) || []).length >= 4", timeout=180000
+        )
+        table = a.locator("#requests").inner_text()
+        assert "cancelled" not in table and "failed" not in table, table
+        assert "1024 pages × 16 tokens, batch 64" in stats_text(a), "A's engine is the one A started on"
+        assert re.search(r"\b0 evictions", stats_text(a)), stats_text(a)
+        assert len(a.locator("#out_0 textarea").input_value()) > 500, "panel 1 ran its 256 tokens"

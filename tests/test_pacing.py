@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from astrai.playground.callbacks import Pacer
+from astrai.playground.callbacks.pacing import Pacer
 
 
 def messages(arrivals: list[float], interval: float) -> list[float]:

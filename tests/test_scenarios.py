@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from astrai import InferenceEngine
-from astrai.playground.backends.local import EMBEDDED_MODEL
+from astrai.playground.backends.profiles import EMBEDDED_MODEL
 from astrai.playground.scenarios import FOLLOW_UP, SCENARIO_BY_NAME
 
 
@@ -42,7 +42,7 @@ def test_shared_system_prompt_hits_in_the_first_run(engine):
 
 def test_eviction_pressure_evicts_and_preempts():
     scenario = SCENARIO_BY_NAME["Eviction pressure (small pool)"]
-    s = scenario.settings
+    s = scenario.profile.settings
     with InferenceEngine.from_pretrained(
         EMBEDDED_MODEL, page_size=s.page_size, n_pages=s.n_pages, max_batch_size=s.max_batch_size
     ) as engine:
@@ -80,5 +80,5 @@ def test_every_lesson_step_loads_a_scenario_and_names_a_view():
     from astrai.playground.scenarios import LESSON
 
     assert len(LESSON) == 6 and all(step.scenario in SCENARIO_BY_NAME for step in LESSON)
-    ui = (Path(__file__).parents[1] / "astrai" / "playground" / "ui.py").read_text()
+    ui = (Path(__file__).parents[1] / "astrai" / "playground" / "ui" / "layout.py").read_text()
     assert all(f'elem_id="{step.look_at}"' in ui for step in LESSON)

@@ -85,7 +85,8 @@ def test_token_highlights_mark_cached_tokens_and_special_tokens():
 
 def stats(**changes) -> CacheStats:
     zero = {f.name: 0 for f in dataclasses.fields(CacheStats)}
-    return CacheStats(**(zero | dict(n_pages=16, page_size=4, hit_rate=0.0, recent_hit_rate=0.0) | changes))
+    base = dict(n_pages=16, page_size=4, hit_rate=0.0, recent_hit_rate=0.0, prefix_caching=True)
+    return CacheStats(**(zero | base | changes))
 
 
 def sample(step: int, t: float, hits: int = 0, queries: int = 0, evictions: int = 0) -> StepSample:
@@ -132,9 +133,34 @@ def test_series_keep_only_the_window_and_never_exceed_one():
     assert all(r is None or 0 <= r <= 1 for r in data.hit_rate)
 
 
-def test_the_stats_line_names_what_the_hit_rate_counts():
-    line = views.stats_line(stats(hit_tokens=30, query_tokens=80, hit_rate=0.375, readmitted_query_tokens=9), "m")
-    assert "hits 30 of 80 prompt tokens (38%)" in line and "on re-admission" in line
+def test_the_stats_line_names_what_the_hit_rate_counts_in_plain_words():
+    line = views.stats_line(stats(hit_tokens=30, query_tokens=80, hit_rate=0.375, readmitted_query_tokens=9))
+    assert "**30** of 80 prompt tokens came from the cache (38%)" in line
+    assert "preempted requests, re-admitted, found 0 of their 9 tokens again (counted apart)" in line
+    assert line.index("came from the cache") < line.index("preempted requests"), "plain words before the jargon"
+
+
+def test_with_prefix_caching_off_the_stats_line_says_off_not_zero_percent():
+    line = views.stats_line(stats(prefix_caching=False, hit_tokens=0, query_tokens=0, hit_rate=0.0))
+    assert "prefix caching is off" in line and "%" not in line
+
+
+def test_the_engine_line_names_the_pool_and_who_shares_it():
+    from astrai.playground.backends.protocol import EngineView
+
+    line = views.engine_line(EngineView("small pool", "40 pages × 16 tokens, batch 8, float32", 3), "tiny")
+    assert line == (
+        "**Your engine:** small pool · 40 pages × 16 tokens, batch 8, float32 · shared with 2 other visitors · "
+        "model: tiny"
+    )
+    assert "only you" in views.engine_line(EngineView("default", "d", 1), "tiny")
+
+
+def test_a_run_whose_requests_are_unknown_has_no_summary_rather_than_an_error():
+    """An engine that stopped under a run knows none of its requests: the summary is None (it raised
+    AttributeError on the None entries)."""
+    assert views.run_summary([None, info()], total_s=1.0) is None
+    assert views.run_summary([info(), info(cached_tokens=8)], total_s=1.0).computed_tokens == 8 + 32
 
 
 def test_long_histories_are_thinned_for_the_browser_but_keep_their_ends():

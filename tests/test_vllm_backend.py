@@ -162,9 +162,9 @@ def test_views_and_charts_say_n_a_for_what_vllm_does_not_report(fake_http):
         for seq, batch in list(recorded_batches("kv_events_run"))[:6]:
             stub.tracker.apply(seq, batch)
         with_events._tick()
-        line = views.stats_line(without.stats(), without.label, without.derived)
-        assert "n/a (vLLM does not report it) cached" in line and "vLLM at " + fake_http in line
-        line = views.stats_line(with_events.stats(), with_events.label, with_events.derived)
+        line = views.stats_line(without.stats(), without.derived)
+        assert "n/a (vLLM does not report it) cached" in line and "vLLM at " + fake_http in without.label
+        line = views.stats_line(with_events.stats(), with_events.derived)
         assert "cached (derived)" in line and "free (derived)" in line
         for backend in (with_events, without):
             stats, history, snapshot = backend.stats(), backend.history(0), backend.snapshot()
@@ -405,7 +405,7 @@ def run_args(panels: list[str], max_tokens: int) -> dict:
 @pytest.mark.vllm
 def test_vllm_four_panels_stream_and_equal_the_local_engine(vclient):
     from astrai import InferenceEngine
-    from astrai.playground.backends.local import EMBEDDED_MODEL
+    from astrai.playground.backends.profiles import EMBEDDED_MODEL
 
     job = vclient.submit(**run_args(PANELS, 24), api_name="/run")
     updates = list(job)
@@ -468,7 +468,7 @@ def test_vllm_page_map_holds_the_stored_blocks(vclient, vllm_url):
 
     from transformers import AutoTokenizer
 
-    from astrai.playground.backends.local import EMBEDDED_MODEL
+    from astrai.playground.backends.profiles import EMBEDDED_MODEL
 
     tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL)
     prompts = [tokenizer(PREFIX + p)["input_ids"] for p in PANELS]

@@ -21,18 +21,31 @@ CHROMIUM_ARGS = [
 
 
 @contextlib.contextmanager
-def open_playground(url: str, timeout_ms: int = 60000, viewport: tuple[int, int] = (1400, 1000)) -> Iterator:
-    """A page showing the playground at ``url``, ready to click (the Run button is visible)."""
+def open_visitors(
+    url: str, count: int, timeout_ms: int = 60000, viewport: tuple[int, int] = (1400, 1000)
+) -> Iterator[list]:
+    """``count`` pages showing the playground at ``url``, each in a browser context of its own (its own cookies,
+    so its own Gradio session: another visitor), ready to click (the Run button is visible)."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        context = browser.new_context(viewport={"width": viewport[0], "height": viewport[1]})
-        context.route(re.compile(r"^https?://(?!127\.0\.0\.1)"), lambda route: route.abort())  # never stall
-        page = context.new_page()
-        page.goto(url)
-        page.wait_for_selector("#run_btn", state="visible", timeout=timeout_ms)
         try:
-            yield page
+            pages = []
+            for _ in range(count):
+                context = browser.new_context(viewport={"width": viewport[0], "height": viewport[1]})
+                context.route(re.compile(r"^https?://(?!127\.0\.0\.1)"), lambda route: route.abort())  # never stall
+                page = context.new_page()
+                page.goto(url)
+                page.wait_for_selector("#run_btn", state="visible", timeout=timeout_ms)
+                pages.append(page)
+            yield pages
         finally:
             browser.close()
+
+
+@contextlib.contextmanager
+def open_playground(url: str, timeout_ms: int = 60000, viewport: tuple[int, int] = (1400, 1000)) -> Iterator:
+    """A page showing the playground at ``url``, ready to click (the Run button is visible)."""
+    with open_visitors(url, 1, timeout_ms, viewport) as (page,):
+        yield page

@@ -1,5 +1,9 @@
 """The Gradio playground: ``create_app()`` builds it; ``app.py`` launches it.
 
+Layout: ``backends/`` (the protocols, in-process engines by profile, vLLM), ``state.py`` (per-visitor state),
+``views/`` (pure functions from observations to what the page shows), ``ui/`` (typed components and the layout),
+``callbacks/`` (run, live view, replay, setup: each wires its own events).
+
 Nothing here is imported with ``astrai``: Gradio, Plotly and the backends load when ``create_app`` is called.
 """
 
@@ -10,16 +14,20 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import gradio as gr
 
-    from astrai.playground.backends.protocol import Backend
+    from astrai.playground.backends.protocol import Engines
 
 
-def create_app(backend: Backend | None = None) -> gr.Blocks:
-    """Build the Blocks around ``backend`` (by default a shared in-process engine on the embedded model)."""
-    from astrai.playground.backends.local import LocalBackend
-    from astrai.playground.service import PlaygroundService
-    from astrai.playground.ui import build_demo
+def create_app(engines: Engines | None = None, allow_hub_models: bool = False) -> gr.Blocks:
+    """Build the Blocks around ``engines`` (by default in-process engines on the embedded model, one per profile,
+    the lesson's built in the background at start)."""
+    from astrai.playground.backends.engines import LocalEngines
+    from astrai.playground.backends.profiles import hub_models_allowed
+    from astrai.playground.scenarios import LESSON_PROFILES
+    from astrai.playground.ui.app import build_demo
 
-    return build_demo(PlaygroundService(backend or LocalBackend()))
+    if engines is None:
+        engines = LocalEngines(preload=LESSON_PROFILES, allow_hub=hub_models_allowed(allow_hub_models))
+    return build_demo(engines)
 
 
 __all__ = ["create_app"]

@@ -1,10 +1,11 @@
-"""One-click lessons: each fills the panels and settings and says in a sentence what to watch."""
+"""One-click lessons: each fills the panels, names the engine profile it runs on, and says in a sentence what to
+watch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from astrai.playground.backends.local import EngineSettings
+from astrai.playground.backends.profiles import DEFAULT_PROFILE, SMALL_POOL_PROFILE, Profile
 
 
 @dataclass(frozen=True)
@@ -14,7 +15,7 @@ class Scenario:
     prompts: list[str]
     prefix: str = ""
     max_tokens: int = 64
-    settings: EngineSettings = field(default_factory=EngineSettings)
+    profile: Profile = DEFAULT_PROFILE  # the engine it runs on, shared by every visitor on this scenario
 
 
 # Both "same page" prompts end with this after a first sentence of equal token count, so from the second page on
@@ -63,7 +64,7 @@ SCENARIOS = [
             "Max and his mom went to the shop",
         ],
         max_tokens=160,
-        settings=EngineSettings(page_size=16, n_pages=40, max_batch_size=8),
+        profile=SMALL_POOL_PROFILE,
     ),
     Scenario(
         name="Same page, different prefix",
@@ -140,3 +141,10 @@ LESSON = [
         "computes fewer prefill tokens (the bars on the left).",
     ),
 ]
+LESSON_PROFILES = tuple(dict.fromkeys(SCENARIO_BY_NAME[step.scenario].profile for step in LESSON))
+
+
+def lesson_note(index: int) -> str:
+    """The note a lesson step shows (the browser's highlight hook reads the step number back from it)."""
+    step = LESSON[index]
+    return f"**Lesson {index + 1}/{len(LESSON)}: {step.title}.** {step.text}"

@@ -1,15 +1,23 @@
-"""The one interface the playground reads a cache through: the in-process engine, or (later) a vLLM server.
+"""The interfaces the playground reads caches through.
 
-The UI depends on this protocol and on the typed records of ``astrai.observation``; never on an engine's internals.
-A backend that cannot give a quantity says so (``None``, or a caption of its own) rather than inventing it.
+- ``Backend``: one cache (one in-process engine, or one vLLM server) and its observations.
+- ``Engines``: where a visitor's backend comes from. Locally, one engine per profile (``backends/engines.py``); for
+  vLLM, the server's one pool whatever the profile (``SingleServer``).
+
+The UI depends on these protocols and on the typed records of ``astrai.observation``; never on an engine's
+internals, never on which class implements them. A backend that cannot give a quantity says so (``None``, or a
+caption of its own) rather than inventing it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 from astrai.observation import CacheSnapshot, CacheStats, EngineEvent, RequestInfo, StepSample
+from astrai.playground.backends.profiles import Profile
 from astrai.sampling import SamplingParams
 
 
@@ -35,6 +43,11 @@ class BackendUnavailable(BackendError):
     """The cache behind the backend went away: the engine was rebuilt or stopped, or the server is down."""
 
 
+class EngineLimitReached(BackendError):
+    """Building another engine would pass the operator's bound (engines, or their KV memory): the visitor is told,
+    and nothing already serving changes."""
+
+
 class RunFailed(BackendError):
     """A request of the run failed (a step that computed it raised, or the server answered an error)."""
 
@@ -50,6 +63,9 @@ class Run(Protocol):
 
 
 class Backend(Protocol):
+    # stats fields the backend computes rather than reads (vLLM derives cached and free pages): the UI marks them
+    derived: frozenset[str]
+
     @property
     def label(self) -> str:
         """The model being served, as the UI names it."""
@@ -91,3 +107,86 @@ class Backend(Protocol):
     def decode(self, token_ids: tuple[int, ...] | list[int]) -> str: ...
 
     def special_ids(self) -> set[int]: ...
+
+    def shutdown(self) -> None:
+        """Stop its threads (and, for an engine, hand its model back)."""
+        ...
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """What a visitor is told about the engine they are on (the stats line's first words)."""
+
+    name: str  # the profile's name ("default", "small pool", "your settings"), or the server's
+    description: str  # its pool, page size and batch in words
+    visitors: int  # visitors on it now (the caller included)
+
+
+Progress = Callable[[float, str], None]  # fraction done, what is happening
+
+
+class Engines(Protocol):
+    """Where a visitor's backend comes from. Every method is safe from any thread."""
+
+    @property
+    def chooses_pools(self) -> bool:
+        """True when profiles get engines of their own (scenario pools, custom settings); False when every profile
+        is served by one pool that belongs to a server (the scenarios then say so)."""
+        ...
+
+    @property
+    def default(self) -> Profile: ...
+
+    def model_choices(self) -> dict[str, str]:
+        """Model labels a visitor may pick (label -> checkpoint)."""
+        ...
+
+    def backend(self, profile: Profile) -> Backend | None:
+        """The backend serving ``profile`` now, or None when it is not built (never builds)."""
+        ...
+
+    def ensure(self, profile: Profile, progress: Progress | None = None) -> Backend:
+        """The backend for ``profile``, built first when needed (it may take seconds; ``progress`` hears how it
+        goes). Raises ``EngineLimitReached`` past the operator's bound, ``BackendError`` when it cannot build."""
+        ...
+
+    def run_on(self, profile: Profile) -> contextlib.AbstractContextManager[Backend]:
+        """Hold ``profile``'s backend for one run: while held it is never retired. Builds it when needed."""
+        ...
+
+    def view(self, profile: Profile, visitors: int) -> EngineView: ...
+
+    def shutdown(self) -> None: ...
+
+
+class SingleServer:
+    """``Engines`` over one backend that owns its pool (a vLLM server): every profile is served by it."""
+
+    chooses_pools = False
+
+    def __init__(self, backend: Backend, default: Profile):
+        self._backend = backend
+        self._default = default
+
+    @property
+    def default(self) -> Profile:
+        return self._default
+
+    def model_choices(self) -> dict[str, str]:
+        return {self._backend.label: self._backend.label}
+
+    def backend(self, profile: Profile) -> Backend:
+        return self._backend
+
+    def ensure(self, profile: Profile, progress: Progress | None = None) -> Backend:
+        return self._backend
+
+    @contextlib.contextmanager
+    def run_on(self, profile: Profile) -> Iterator[Backend]:
+        yield self._backend
+
+    def view(self, profile: Profile, visitors: int) -> EngineView:
+        return EngineView(name="the server's own pool", description=self._backend.label, visitors=visitors)
+
+    def shutdown(self) -> None:
+        self._backend.shutdown()

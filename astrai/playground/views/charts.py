@@ -9,10 +9,10 @@ from collections.abc import Callable, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from astrai.playground.views.tree import ROOT, Tree
 from astrai.playground.views.pages import PageView
 from astrai.playground.views.series import Series
 from astrai.playground.views.text import RunSummary
+from astrai.playground.views.tree import ROOT, Tree
 
 PANEL_COLORS = ["#2563eb", "#16a34a", "#d97706", "#9333ea", "#db2777", "#0891b2"]
 FREE_COLOR = "#e5e7eb"

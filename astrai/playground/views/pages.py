@@ -21,7 +21,6 @@ class Owner:
     panel: int
 
 
-
 @dataclass(frozen=True)
 class PageView:
     """What one visitor may see of one page."""

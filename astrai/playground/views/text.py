@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from astrai.observation import CacheStats, RequestInfo
+from astrai.playground.backends.protocol import EngineView
 
 MAX_HIGHLIGHT_TOKENS = 300
 SPECIAL_TOKEN_TEXT = "⟨s⟩"
@@ -82,14 +83,16 @@ def _count(value: int | None) -> str:
     return NOT_REPORTED if value is None else str(value)
 
 
-def stats_line(stats: CacheStats, model_label: str, derived: frozenset[str] = frozenset()) -> str:
-    """The one-line summary under the charts; a quantity the backend does not report reads "n/a (...)", and one
-    it only derives (a field name in ``derived``) is marked "(derived)"."""
-    readmitted = (
-        f" (+{stats.readmitted_hit_tokens} of {stats.readmitted_query_tokens} on re-admission)"
-        if stats.readmitted_query_tokens
-        else ""
-    )
+def engine_line(view: EngineView, model_label: str) -> str:
+    """Which engine the visitor is on, first, in words: its profile, pool, page size and batch, and who shares it."""
+    others = view.visitors - 1
+    sharing = f"shared with {others} other visitor{'s' if others != 1 else ''}" if others else "only you on it now"
+    return f"**Your engine:** {view.name} · {view.description} · {sharing} · model: {model_label}"
+
+
+def stats_line(stats: CacheStats, derived: frozenset[str] = frozenset()) -> str:
+    """What the cache holds now and what it saved so far, in plain words first. A quantity the backend does not
+    report reads "n/a (...)", and one it only derives (a field name in ``derived``) is marked "(derived)"."""
 
     def pages(value: int | None, name: str, what: str) -> str:
         if value is None:
@@ -97,13 +100,25 @@ def stats_line(stats: CacheStats, model_label: str, derived: frozenset[str] = fr
         return f"**{value}** {what}" + (" (derived)" if name in derived else "")
 
     cached, free = pages(stats.cached_pages, "cached_pages", "cached"), pages(stats.free_pages, "free_pages", "free")
-    return (
-        f"**{stats.used_pages}** in use · {cached} · {free} "
-        f"of {stats.n_pages} pages × {stats.page_size} tokens · hits {stats.hit_tokens} of {stats.query_tokens} "
-        f"prompt tokens ({stats.hit_rate:.0%}){readmitted} · {_count(stats.evictions)} evictions · "
-        f"{stats.preemptions} preemptions · prefix caching {'on' if stats.prefix_caching else 'off'} · "
-        f"model: {model_label}"
+    now = (
+        f"**Now:** **{stats.used_pages}** pages in use by running requests · {cached} (kept for reuse) · {free}, "
+        f"of {stats.n_pages} pages × {stats.page_size} tokens"
     )
+    if not stats.prefix_caching:
+        reuse = "**Reuse:** prefix caching is off on this engine, so nothing is looked up"
+    elif not stats.query_tokens:
+        reuse = "**Reuse so far:** no prompt has been looked up yet"
+    else:
+        reuse = (
+            f"**Reuse so far:** **{stats.hit_tokens}** of {stats.query_tokens} prompt tokens came from the cache "
+            f"({stats.hit_rate:.0%})"
+        )
+    if stats.readmitted_query_tokens:
+        reuse += (
+            f" · preempted requests, re-admitted, found {stats.readmitted_hit_tokens} of their "
+            f"{stats.readmitted_query_tokens} tokens again (counted apart)"
+        )
+    return f"{now}  \n{reuse} · {_count(stats.evictions)} evictions · {stats.preemptions} preemptions"
 
 
 def unreachable_line(model_label: str, reason: str) -> str:
@@ -121,13 +136,16 @@ class RunSummary:
     total_s: float  # submit to the last token
 
 
-def run_summary(infos: Sequence[RequestInfo], total_s: float) -> RunSummary | None:
-    if not infos or any(i.cached_tokens is None or i.ttft is None for i in infos):
-        return None  # a request that never started has nothing to compare
-    ttfts = sorted(i.ttft or 0.0 for i in infos)
+def run_summary(infos: Sequence[RequestInfo | None], total_s: float) -> RunSummary | None:
+    """None when any request is unknown (its engine stopped, or forgotten it) or never started: nothing to
+    compare."""
+    if not infos or any(i is None or i.cached_tokens is None or i.ttft is None for i in infos):
+        return None
+    known = [i for i in infos if i is not None]
+    ttfts = sorted(i.ttft or 0.0 for i in known)
     return RunSummary(
-        prompt_tokens=sum(i.prompt_tokens for i in infos),
-        computed_tokens=sum(i.prompt_tokens - (i.cached_tokens or 0) for i in infos),
+        prompt_tokens=sum(i.prompt_tokens for i in known),
+        computed_tokens=sum(i.prompt_tokens - (i.cached_tokens or 0) for i in known),
         ttft_s=ttfts[len(ttfts) // 2],
         total_s=total_s,
     )

@@ -1,0 +1,270 @@
+"""In-process engines by profile: the default profile's engine always serves; any other is built on first use,
+shared by every visitor on that profile, and retired once no run holds it and it has been idle a while.
+
+Invariants (all under ``_lock``, which is held only to read or change the table, never while building):
+
+- A profile has at most one slot. A slot being built is in the table already, so a second visitor asking for the
+  same profile waits for that build instead of starting another.
+- A slot is retired only when ``runs == 0`` and it has been idle ``idle_retire_s``; ``run_on`` raises ``runs``
+  under the same lock that retirement checks it, so no visitor's action can stop an engine another visitor's run
+  is using. The default profile's slot is never retired. Nothing is ever rebuilt in place.
+- Engines of one model and dtype share its weights: the model is loaded once and every engine over it is built
+  from the same model object (``InferenceEngine`` shares a prepared model between engines and serialises their
+  forwards). One extra engine costs its KV pool and its bookkeeping (docs/architecture.md has the measured figure).
+- The operator bounds what visitors can make: ``max_engines`` engines in all, ``max_custom`` of them from visitors'
+  own settings, and ``kv_budget_mb`` of KV pools in all. Past a bound the visitor gets ``EngineLimitReached``
+  with a message; nothing serving changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from astrai import SUPPORTED_DTYPES, InferenceEngine
+from astrai.checkpoints import load_checkpoint
+from astrai.model_runner import kv_bytes_per_token
+from astrai.playground.backends.local import LocalBackend
+from astrai.playground.backends.profiles import DEFAULT_PROFILE, Profile, model_choices
+from astrai.playground.backends.protocol import BackendError, EngineLimitReached, EngineView, Progress
+
+log = logging.getLogger("astrai.playground")
+
+MAX_ENGINES = int(os.environ.get("ASTRAI_MAX_ENGINES", 6))
+MAX_CUSTOM_ENGINES = int(os.environ.get("ASTRAI_MAX_CUSTOM_ENGINES", 3))
+KV_BUDGET_MB = float(os.environ.get("ASTRAI_KV_BUDGET_MB", 1024))
+IDLE_RETIRE_S = float(os.environ.get("ASTRAI_ENGINE_IDLE_S", 600))
+
+
+@dataclass
+class _Slot:
+    profile: Profile
+    kv_bytes: int
+    ready: threading.Event = field(default_factory=threading.Event)
+    backend: LocalBackend | None = None  # set once built
+    error: BaseException | None = None  # set when the build failed (the slot is then gone from the table)
+    runs: int = 0  # runs holding it now
+    last_used: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Model:
+    model: torch.nn.Module
+    tokenizer: object
+    config: object
+
+
+class LocalEngines:
+    """The ``Engines`` of the embedded playground. Thread-safe."""
+
+    chooses_pools = True
+
+    def __init__(
+        self,
+        default: Profile = DEFAULT_PROFILE,
+        *,
+        preload: tuple[Profile, ...] = (),
+        allow_hub: bool = False,
+        max_engines: int = MAX_ENGINES,
+        max_custom: int = MAX_CUSTOM_ENGINES,
+        kv_budget_mb: float = KV_BUDGET_MB,
+        idle_retire_s: float = IDLE_RETIRE_S,
+    ):
+        self._default = default
+        self._choices = model_choices(allow_hub)
+        self._max_engines, self._max_custom = max_engines, max_custom
+        self._kv_budget = int(kv_budget_mb * 2**20)
+        self._idle_retire_s = idle_retire_s
+        self._lock = threading.Lock()  # guards _slots and _models
+        self._slots: dict[Profile, _Slot] = {}
+        self._models: dict[tuple[str, str], _Model] = {}
+        self._closed = False
+        self.ensure(default)  # the default engine is built before the app serves
+        if preload:  # cheap on the embedded model: the lesson then switches instantly
+            threading.Thread(target=self._preload, args=(preload,), daemon=True, name="astrai-preload").start()
+
+    # ----- the Engines protocol ---------------------------------------------------------------------------------
+    @property
+    def default(self) -> Profile:
+        return self._default
+
+    def model_choices(self) -> dict[str, str]:
+        return dict(self._choices)
+
+    def backend(self, profile: Profile) -> LocalBackend | None:
+        self._retire_idle()
+        with self._lock:
+            slot = self._slots.get(profile)
+            return slot.backend if slot is not None else None
+
+    def ensure(self, profile: Profile, progress: Progress | None = None) -> LocalBackend:
+        slot, build = self._claim(profile)
+        if build:
+            self._build(slot, progress)
+        elif not slot.ready.is_set() and progress is not None:
+            progress(0.5, f"Another visitor is building the {profile.name} engine…")
+        slot.ready.wait()
+        if slot.error is not None or slot.backend is None:
+            raise BackendError(f"Could not build the {profile.name} engine: {slot.error}")
+        return slot.backend
+
+    @contextlib.contextmanager
+    def run_on(self, profile: Profile) -> Iterator[LocalBackend]:
+        while True:
+            backend = self.ensure(profile)
+            with self._lock:
+                slot = self._slots.get(profile)
+                if slot is not None and slot.backend is backend:  # not retired between ensure and here
+                    slot.runs += 1
+                    break
+        try:
+            yield backend
+        finally:
+            with self._lock:
+                slot.runs -= 1
+                slot.last_used = time.monotonic()
+
+    def view(self, profile: Profile, visitors: int) -> EngineView:
+        return EngineView(name=profile.name, description=profile.settings.describe(), visitors=visitors)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._closed = True
+            slots, self._slots = list(self._slots.values()), {}
+        for slot in slots:
+            slot.ready.wait()
+            if slot.backend is not None:
+                slot.backend.shutdown()
+
+    # ----- what it holds, for the operator and the tests --------------------------------------------------------
+    def built(self) -> list[Profile]:
+        """Profiles whose engine is built now."""
+        with self._lock:
+            return [p for p, slot in self._slots.items() if slot.backend is not None]
+
+    # ----- building and retiring --------------------------------------------------------------------------------
+    def _claim(self, profile: Profile) -> tuple[_Slot, bool]:
+        """The profile's slot, and whether this caller must build it (a new slot, checked against the bounds)."""
+        if profile.model not in self._choices:
+            raise BackendError(f"Model {profile.model!r} is not offered here (the operator has not enabled it).")
+        profile.settings.validate()
+        self._retire_idle()
+        with self._lock:
+            if self._closed:
+                raise BackendError("The playground is shutting down.")
+            slot = self._slots.get(profile)
+            if slot is not None:
+                slot.last_used = time.monotonic()
+                return slot, False
+            slot = _Slot(profile, self._kv_bytes(profile))
+            self._check_bounds(slot)
+            self._slots[profile] = slot
+            return slot, True
+
+    def _check_bounds(self, new: _Slot) -> None:
+        slots = list(self._slots.values())
+        if not slots:
+            return  # the default engine: the operator's own choice, always built
+        if len(slots) >= self._max_engines:
+            raise EngineLimitReached(
+                f"This Space already runs {len(slots)} engines, its limit: use a scenario's engine, or try again "
+                "in a few minutes, when an idle one has been retired."
+            )
+        if new.profile.custom and sum(s.profile.custom for s in slots) >= self._max_custom:
+            raise EngineLimitReached(
+                f"All {self._max_custom} engines for visitors' own settings are taken. Pick settings another visitor "
+                "uses, a scenario, or try again in a few minutes, when an idle one has been retired."
+            )
+        used = sum(s.kv_bytes for s in slots)
+        if used + new.kv_bytes > self._kv_budget:
+            raise EngineLimitReached(
+                f"A pool of {new.kv_bytes / 2**20:.0f} MB of KV does not fit: {used / 2**20:.0f} of the Space's "
+                f"{self._kv_budget / 2**20:.0f} MB are in use. Choose fewer pages, or try again later."
+            )
+
+    def _kv_bytes(self, profile: Profile) -> int:
+        settings = profile.settings
+        model = self._models.get((profile.model, settings.dtype))
+        if model is None:  # not loaded yet: its config is enough (a hub model's may need the network)
+            from transformers import AutoConfig
+
+            try:
+                config = AutoConfig.from_pretrained(self._choices[profile.model], trust_remote_code=False)
+            except (OSError, ValueError) as exc:
+                raise BackendError(f"Could not read {profile.model}'s config: {exc}") from exc
+        else:
+            config = model.config
+        per_token = kv_bytes_per_token(config, SUPPORTED_DTYPES[settings.dtype])
+        return settings.n_pages * settings.page_size * per_token
+
+    def _build(self, slot: _Slot, progress: Progress | None) -> None:
+        profile, settings = slot.profile, slot.profile.settings
+        started = time.monotonic()
+        try:
+            if progress is not None:
+                progress(0.1, f"Building the {profile.name} engine ({settings.describe()})…")
+            model = self._model(profile.model, settings.dtype)
+            engine = InferenceEngine(
+                model.model,
+                model.tokenizer,
+                page_size=settings.page_size,
+                n_pages=settings.n_pages,
+                max_batch_size=settings.max_batch_size,
+                prefix_caching=settings.prefix_caching,
+                dtype=settings.dtype,
+            )
+            slot.backend = LocalBackend(engine, profile.model)
+            log.info("engine %s built in %.2f s", profile.key, time.monotonic() - started)
+        except Exception as exc:  # offline, unsupported, out of memory: nothing that serves changes
+            slot.error = exc
+            with self._lock:
+                if self._slots.get(profile) is slot:
+                    del self._slots[profile]
+        finally:
+            slot.ready.set()
+
+    def _model(self, label: str, dtype: str) -> _Model:
+        """The loaded model for ``label`` in ``dtype``: loaded once, shared by every engine over it. Only the
+        building threads load, and a profile is built by one thread at a time."""
+        with self._lock:
+            loaded = self._models.get((label, dtype))
+        if loaded is None:
+            model, tokenizer = load_checkpoint(self._choices[label], dtype)
+            loaded = _Model(model, tokenizer, model.config)
+            with self._lock:
+                loaded = self._models.setdefault((label, dtype), loaded)
+        return loaded
+
+    def _retire_idle(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            idle = [
+                p
+                for p, slot in self._slots.items()
+                if p != self._default
+                and slot.backend is not None
+                and slot.runs == 0
+                and now - slot.last_used >= self._idle_retire_s
+            ]
+            retired = [self._slots.pop(p) for p in idle]
+            in_use = {(p.model, p.settings.dtype) for p in self._slots}
+            for key in [k for k in self._models if k not in in_use]:
+                del self._models[key]  # no engine over it is left: its weights can go
+        for slot in retired:
+            log.info("engine %s retired after %.0f s idle", slot.profile.key, now - slot.last_used)
+            assert slot.backend is not None
+            slot.backend.shutdown()
+
+    def _preload(self, profiles: tuple[Profile, ...]) -> None:
+        for profile in profiles:
+            try:
+                self.ensure(profile)
+            except BackendError:
+                log.warning("could not preload the %s engine", profile.name, exc_info=True)

@@ -1,0 +1,89 @@
+"""Profiles: a model plus the settings of an engine over it. Each profile the playground serves has one engine.
+
+The lesson's scenarios name their profiles (``scenarios.py``); a visitor's own settings (the Engine settings panel)
+make a custom profile. Profiles are plain values: two visitors with equal settings name the same profile, and so
+share its engine.
+
+Which models may be loaded is the operator's choice, never a visitor's: the embedded model always; the small hub
+checkpoints only when the operator enables them (``--allow-hub-models`` or ``ASTRAI_ALLOW_HUB_MODELS=1``), since
+loading one downloads it into the shared process.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from astrai import SUPPORTED_DTYPES
+
+EMBEDDED_MODEL = os.environ.get(
+    "ASTRAI_EMBEDDED_MODEL", str(Path(__file__).resolve().parents[3] / "assets" / "models" / "tinystories-llama")
+)
+EMBEDDED_LABEL = "tinystories-llama (embedded, offline)"
+HUB_MODELS = {
+    "SmolLM2-135M-Instruct (hub)": "HuggingFaceTB/SmolLM2-135M-Instruct",
+    "Qwen2.5-0.5B-Instruct (hub)": "Qwen/Qwen2.5-0.5B-Instruct",
+    "Qwen3-0.6B (hub)": "Qwen/Qwen3-0.6B",
+}
+HUB_MODELS_ENV = "ASTRAI_ALLOW_HUB_MODELS"
+PAGE_SIZES = (4, 8, 16, 32, 64)
+DTYPES = tuple(SUPPORTED_DTYPES)
+POOL_PAGES = (8, 4096)
+BATCH_SIZES = (1, 64)
+
+
+def hub_models_allowed(flag: bool = False) -> bool:
+    """The operator's switch: the command-line flag, or the environment variable set to 1/true/yes."""
+    return flag or os.environ.get(HUB_MODELS_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def model_choices(allow_hub: bool) -> dict[str, str]:
+    """The models a visitor may pick, label -> checkpoint: the embedded one, and the hub ones only when allowed."""
+    return {EMBEDDED_LABEL: EMBEDDED_MODEL, **(HUB_MODELS if allow_hub else {})}
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    page_size: int = 16
+    n_pages: int = 1024  # room for a full batch of 64 requests (~8 pages each: 16 four-panel runs) without preempting
+    max_batch_size: int = int(os.environ.get("ASTRAI_MAX_BATCH_SIZE", 64))  # docs/benchmarks.md: the load curve
+    prefix_caching: bool = True
+    dtype: str = "float32"
+
+    def validate(self) -> None:
+        if self.page_size not in PAGE_SIZES:
+            raise ValueError(f"page size must be one of {', '.join(map(str, PAGE_SIZES))}")
+        if not POOL_PAGES[0] <= self.n_pages <= POOL_PAGES[1]:
+            raise ValueError(f"pool size must be between {POOL_PAGES[0]} and {POOL_PAGES[1]} pages")
+        if not BATCH_SIZES[0] <= self.max_batch_size <= BATCH_SIZES[1]:
+            raise ValueError(f"max batch must be between {BATCH_SIZES[0]} and {BATCH_SIZES[1]}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}")
+
+    def describe(self) -> str:
+        """In words, for the stats line and the engine status."""
+        caching = "" if self.prefix_caching else ", prefix caching off"
+        return f"{self.n_pages} pages × {self.page_size} tokens, batch {self.max_batch_size}, {self.dtype}{caching}"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A model and the settings of the engine that serves it. ``name`` is what visitors read; equality (and so
+    sharing an engine) is by model and settings alone."""
+
+    model: str = EMBEDDED_LABEL  # a label of ``model_choices``
+    settings: EngineSettings = field(default_factory=EngineSettings)
+    name: str = field(default="default", compare=False)
+    custom: bool = field(default=False, compare=False)  # made from a visitor's settings: counts against the bound
+
+    @property
+    def key(self) -> str:
+        """A stable text key (gr.State and logs): equal profiles have equal keys."""
+        s = self.settings
+        caching = "cache" if s.prefix_caching else "nocache"
+        return f"{self.model}|p{s.page_size}|n{s.n_pages}|b{s.max_batch_size}|{caching}|{s.dtype}"
+
+
+DEFAULT_PROFILE = Profile()
+SMALL_POOL_PROFILE = Profile(settings=EngineSettings(page_size=16, n_pages=40, max_batch_size=8), name="small pool")

@@ -1,0 +1,133 @@
+"""The live view: each second, the page map, the charts, the tree and the stats line of the visitor's engine.
+
+A poll never counts as activity (``Visitors.peek``): hundreds of open tabs cannot push an active visitor's state
+out. While the visitor's own run streams, the badges fill in here too (TTFT as soon as it is known).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import gradio as gr
+
+from astrai.observation import PageEvicted
+from astrai.playground.backends.protocol import BackendError
+from astrai.playground.callbacks.context import QUIET, Context, panel_label, session_of
+from astrai.playground.callbacks.run import RunCallbacks
+from astrai.playground.views import charts, pages, series, text, tree
+
+MAX_GHOSTS = 64  # evicted pages kept for the tree's next drawing
+OCCUPANCY_STREAMING_S = 4.0  # while the visitor's own text streams, the occupancy chart is redrawn this seldom
+
+
+@dataclass(frozen=True)
+class LiveCursor:
+    """Where one tab's live view is: which engine it draws, the last event and step it saw, and what it drew."""
+
+    engine: str = ""  # the profile key (and backend generation) drawn: another one redraws everything
+    seq: int = 0
+    steps: int = -1
+    settled: bool = False  # nothing moved at the last tick
+    tick: int = 0
+    evicted: tuple[int, ...] = ()  # pages evicted since the tree was last drawn
+    occupancy_at: float = 0.0
+    badges: tuple[str, ...] = field(default=())  # the badges last sent
+
+
+class LiveCallbacks:
+    def __init__(self, ctx: Context, runs: RunCallbacks):
+        self.ctx, self.ui, self.runs = ctx, ctx.ui, runs
+
+    def refresh(self, cursor: LiveCursor | None, request: gr.Request) -> dict:
+        ctx, cache = self.ctx, self.ui.cache
+        session = session_of(request)
+        visitor = ctx.visitors.peek(session)
+        profile = visitor.profile
+        view = ctx.engines.view(profile, ctx.visitors.on(profile))
+        backend = ctx.engines.backend(profile)
+        if backend is None:
+            line = text.engine_line(view, profile.model)
+            return {cache.stats: f"{line}  \nIts engine is not running now (retired while idle): Run starts it again."}
+        previous = cursor or LiveCursor()
+        engine = f"{profile.key}#{backend.generation}"
+        fresh = previous.engine != engine
+        try:
+            stats = backend.stats()
+        except BackendError as exc:  # a server away: say so, keep serving, try again at the next tick
+            return {cache.stats: text.unreachable_line(backend.label, str(exc))}
+        events = backend.events(after=0 if fresh else previous.seq)
+        evicted = [] if fresh else [e.page for e in events if isinstance(e, PageEvicted)]
+        quiet = not fresh and not events and stats.steps == previous.steps
+        now = replace(
+            previous if not fresh else LiveCursor(),
+            engine=engine,
+            seq=events[-1].seq if events else (0 if fresh else previous.seq),
+            steps=stats.steps,
+            settled=quiet,
+            tick=previous.tick + 1,
+            evicted=((() if fresh else previous.evicted) + tuple(evicted))[-MAX_GHOSTS:],
+        )
+        line = f"{text.engine_line(view, backend.label)}  \n{text.stats_line(stats, backend.derived)}"
+        update: dict = {cache.stats: line}
+        if visitor.streaming_since is not None or previous.badges:
+            badges = self.runs.details(visitor, highlights=False)
+            shown = tuple(badges[b] for b in self.ui.panels.badges)
+            if shown != previous.badges:
+                update |= badges
+            now = replace(now, badges=shown if visitor.streaming_since is not None else ())
+        update[cache.cursor] = now
+        if not visitor.following or (quiet and previous.settled):  # replaying, or nothing moved: no redraw
+            return update
+        return update | self._draw(backend, session, visitor.streaming_since, fresh or quiet, evicted, now, stats)
+
+    def _draw(self, backend, session, streaming_since, everything, evicted, cursor: LiveCursor, stats) -> dict:
+        """Every redrawn figure costs the browser a frame or more, and the browser's frames are what the streaming
+        text needs (tools/measure.py A/B runs: with the page map and occupancy redrawn every other second while the
+        text streamed, the slowest panel showed 14 updates/s; with the page map alone each second, 17-18). So while
+        this visitor's text streams, only the page map is redrawn each tick, the occupancy chart every
+        ``OCCUPANCY_STREAMING_S``, and the three below wait for the end. Otherwise the two in view are redrawn each
+        tick and the three below take turns; once the cache settles, all are redrawn."""
+        cache = self.ui.cache
+        records = backend.snapshot().pages
+        owners = self.ctx.visitors.owners(sorted(_requests(records)))
+        views = pages.page_views(records, owners, session, set(evicted), backend.decode)
+        update: dict = {cache.page_map: charts.page_map(views, panel_label)}
+        wall = time.monotonic()
+        streaming = streaming_since is not None and not everything
+        if streaming and wall - max(streaming_since or 0.0, cursor.occupancy_at) < OCCUPANCY_STREAMING_S:
+            return update
+        data = series.series(backend.history(0), stats, time.time())
+        update[cache.occupancy] = charts.occupancy_chart(data)
+        drawn = replace(cursor, occupancy_at=wall)
+        if not streaming:
+            if everything or cursor.tick % 3 == 0:
+                update[cache.lru] = charts.lru_chart(data)
+            if everything or cursor.tick % 3 == 1:
+                update[cache.hit_rate] = charts.hit_rate_chart(data)
+            if everything or cursor.tick % 3 == 2:
+                shape = tree.prefix_tree(records, list(cursor.evicted), owners, session, backend.decode)
+                update[cache.prefix_tree] = charts.prefix_tree(shape, panel_label)
+                drawn = replace(drawn, evicted=())
+        return update | {cache.cursor: drawn}
+
+    def wire(self, demo: gr.Blocks) -> None:
+        cache = self.ui.cache
+        outputs = [cache.page_map, cache.occupancy, cache.lru, cache.hit_rate, cache.prefix_tree, cache.stats]
+        outputs += [cache.cursor, *self.ui.panels.badges]
+        cache.live_charts.change(
+            lambda on: gr.Timer(active=bool(on)),
+            cache.live_charts,
+            cache.timer,
+            queue=False,
+            api_visibility="private",
+            **QUIET,
+        )
+        cache.timer.tick(
+            self.refresh, cache.cursor, outputs, api_visibility="undocumented", concurrency_limit=8, **QUIET
+        )
+        demo.load(self.refresh, cache.cursor, outputs, api_visibility="private", **QUIET)
+
+
+def _requests(records) -> set[int]:
+    return {r for record in records for r in (*record.requests, record.stored_by) if r is not None}

@@ -1,0 +1,123 @@
+"""Replay: the visitor's last run, step by step, from its recording (never from the live engine's state)."""
+
+from __future__ import annotations
+
+import time
+
+import gradio as gr
+
+from astrai.playground.callbacks.context import QUIET, Context, panel_label, session_of
+from astrai.playground.callbacks.live import LiveCursor
+from astrai.playground.state import Playback, Visitor
+from astrai.playground.ui.components import fixed
+from astrai.playground.views import charts, pages, replay, tree
+
+SPEEDS = {"1x": 1.0, "quarter": 0.25}
+
+
+class ReplayCallbacks:
+    def __init__(self, ctx: Context):
+        self.ctx, self.ui = ctx, ctx.ui
+
+    def show_step(self, index, request: gr.Request) -> dict:
+        """The visitor grabbed the slider: stop following, and show the recorded step."""
+        session = session_of(request)
+        visitor = self.ctx.visitors.act(session)
+        visitor.following, visitor.playback = False, None  # a playing timer stops itself at its next tick
+        return self._frame(visitor, session, int(index or 0))
+
+    def step_by(self, index, delta: int, request: gr.Request) -> dict:
+        return self.show_step(int(index or 0) + delta, request)
+
+    def play(self, index, speed: str, request: gr.Request) -> dict:
+        visitor = self.ctx.visitors.act(session_of(request))
+        if visitor.recording is None or not visitor.recording.samples:
+            return {}
+        start = int(index or 0) % len(visitor.recording.samples)  # at the end: start over
+        visitor.following, visitor.playback = False, Playback(SPEEDS[speed], time.monotonic(), start)
+        return {self.ui.replay.timer: gr.Timer(active=True)}
+
+    def pause(self, request: gr.Request) -> dict:
+        self.ctx.visitors.act(session_of(request)).playback = None
+        return {self.ui.replay.timer: gr.Timer(active=False)}
+
+    def tick(self, request: gr.Request) -> dict:
+        """Advance a playing replay to the step whose recorded time the scaled clock has reached."""
+        session = session_of(request)
+        visitor = self.ctx.visitors.peek(session)
+        recording, playback, timer = visitor.recording, visitor.playback, self.ui.replay.timer
+        if playback is None or recording is None or not recording.samples:
+            return {timer: gr.Timer(active=False)}
+        times = [s.time for s in recording.samples]
+        start = playback.start_index
+        origin = times[max(start - 1, 0)] if start else times[0] - recording.samples[0].duration_s
+        target = origin + (time.monotonic() - playback.wall_start) * playback.speed
+        index = max(start, sum(t <= target for t in times))
+        update = self._frame(visitor, session, index)
+        if index >= len(times):
+            visitor.playback = None
+            update[timer] = gr.Timer(active=False)
+        return update
+
+    def live(self, request: gr.Request) -> dict:
+        visitor = self.ctx.visitors.act(session_of(request))
+        visitor.following, visitor.playback = True, None
+        steps = len(visitor.recording.samples) if visitor.recording else 0
+        controls = self.ui.replay
+        # a new cursor: the next refresh redraws everything
+        return {controls.timer: gr.Timer(active=False), controls.step: steps, self.ui.cache.cursor: LiveCursor()}
+
+    def page_map_at(self, index: int, request: gr.Request) -> list[dict]:
+        """The caller's recorded pool after ``index`` steps of their last run (state, refs, LRU rank), for tests."""
+        recording = self.ctx.visitors.peek(session_of(request)).recording
+        if recording is None:
+            return []
+        return [
+            {"page": p.page, "state": p.state, "ref_count": p.ref_count, "lru_rank": p.lru_rank}
+            for p in replay.pages_at(recording, int(index))
+        ]
+
+    def _frame(self, visitor: Visitor, session: str, index: int) -> dict:
+        recording, controls, cache = visitor.recording, self.ui.replay, self.ui.cache
+        if recording is None or visitor.shown is None:
+            return {controls.note: "Run a batch first: its steps are recorded here."}
+        backend = self.ctx.engines.backend(visitor.shown.profile)
+        if backend is None:
+            return {controls.note: "The engine of your last run was retired while idle: run again to record anew."}
+        index = max(0, min(index, len(recording.samples)))
+        records = replay.pages_at(recording, index)
+        owners = self.ctx.visitors.owners(sorted({r for p in records for r in (*p.requests, p.stored_by) if r}))
+        decode, special = backend.decode, backend.special_ids()
+        data = replay.replay_series(recording, index)
+        texts = replay.texts_at(recording, index, lambda ids: decode([t for t in ids if t not in special]))
+        step = recording.samples[index - 1].step if index else recording.base.step
+        page_views = pages.page_views(records, owners, session, set(), decode)
+        update = {
+            controls.step: index,  # a plain value: the maximum was set when the run ended
+            controls.note: f"**Replay** · {replay.narrate(recording, index)}",
+            cache.page_map: charts.page_map(page_views, panel_label, title=f"Page map after step {step}"),
+            cache.occupancy: charts.occupancy_chart(data),
+            cache.lru: charts.lru_chart(data),
+            cache.hit_rate: charts.hit_rate_chart(data),
+            cache.prefix_tree: charts.prefix_tree(tree.prefix_tree(records, [], owners, session, decode), panel_label),
+        }
+        return update | {box: texts[i] if i < len(texts) else "" for i, box in enumerate(self.ui.panels.outputs)}
+
+    def wire(self) -> None:
+        controls, cache = self.ui.replay, self.ui.cache
+        gr.api(self.page_map_at, api_name="page_map_at", concurrency_limit=8)
+        frame = [controls.step, controls.note, cache.page_map, cache.occupancy, cache.lru, cache.hit_rate]
+        frame += [cache.prefix_tree, *self.ui.panels.outputs, controls.timer]
+        controls.step.input(
+            self.show_step, controls.step, frame, api_name="show_step", trigger_mode="always_last", **QUIET
+        )
+        for button, delta in ((controls.back, -1), (controls.forward, 1)):
+            button.click(fixed(self.step_by, delta=delta), controls.step, frame, api_visibility="private", **QUIET)
+        for button, speed in ((controls.play_1x, "1x"), (controls.play_slow, "quarter")):
+            button.click(
+                fixed(self.play, speed=speed), controls.step, [controls.timer], api_visibility="private", **QUIET
+            )
+        controls.pause.click(self.pause, None, [controls.timer], api_visibility="private", **QUIET)
+        controls.timer.tick(self.tick, None, frame, api_visibility="private", concurrency_limit=8, **QUIET)
+        back_to_live = [controls.timer, controls.step, cache.cursor]
+        controls.live.click(self.live, None, back_to_live, api_visibility="private", **QUIET)

@@ -1,0 +1,264 @@
+"""Run, compare, stop, follow-up and clear: a visitor's batch on the engine of their profile.
+
+A run holds its engine for as long as it streams (``Engines.run_on``), so no other visitor's action can retire it
+meanwhile. The stream carries the panels' text alone; the badges come with the live view while it streams and
+with ``after_run`` when it ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import gradio as gr
+
+from astrai.playground.backends.protocol import BackendError
+from astrai.playground.callbacks.context import QUIET, Context, run_infos, session_of
+from astrai.playground.callbacks.pacing import Pacer
+from astrai.playground.scenarios import FOLLOW_UP
+from astrai.playground.state import ShownRun, Visitor
+from astrai.playground.ui.components import MAX_PANELS, by_name
+from astrai.playground.ui.layout import MAX_NEW_TOKENS, MAX_PROMPT_CHARS
+from astrai.playground.views import charts, replay, text
+from astrai.sampling import SamplingParams
+
+RUN_CONCURRENCY = 16  # runs streaming at once (more wait in the queue); app.py's --run-concurrency overrides
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    prefix: str
+    prompts: list[str]
+    params: SamplingParams
+    isolate: bool
+
+
+def parse_batch(values: dict[str, Any]) -> Batch:
+    """A run's form, checked; anything a client can send (NaN, None, strings where numbers belong) gets a clear
+    message."""
+    try:
+        n = int(values["n_panels"])
+        if not 1 <= n <= MAX_PANELS:
+            raise ValueError(f"Use between 1 and {MAX_PANELS} panels.")
+        prefix = values["shared_prefix"] or ""
+        prompts = [values[f"prompt_{i + 1}"] or "" for i in range(n)]
+        for i, prompt in enumerate(prompts):
+            if not (prefix + prompt).strip():
+                raise ValueError(f"Panel {i + 1} has an empty prompt.")
+            if len(prefix) + len(prompt) > 2 * MAX_PROMPT_CHARS:
+                raise ValueError(f"Panel {i + 1}: prompt too long (max {2 * MAX_PROMPT_CHARS} characters).")
+        max_tokens = int(values["max_tokens"])
+        if not 1 <= max_tokens <= MAX_NEW_TOKENS:
+            raise ValueError(f"Max tokens must be between 1 and {MAX_NEW_TOKENS}.")
+        seed = values["seed"]
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=float(values["temperature"]),
+            top_p=float(values["top_p"]),
+            top_k=int(values["top_k"]),
+            seed=None if seed is None else int(seed),
+        )
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise gr.Error(str(exc)) from None
+    return Batch(prefix, prompts, params, bool(values["isolate_cache"]))
+
+
+@contextlib.contextmanager
+def _streaming(visitor: Visitor) -> Iterator[None]:
+    visitor.streaming_since = time.monotonic()
+    try:
+        yield
+    finally:
+        visitor.streaming_since = None
+
+
+class RunCallbacks:
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self.ui = ctx.ui
+
+    def run(self, values: dict[str, Any], request: gr.Request) -> Iterator[dict]:
+        yield from self._stream(parse_batch(values), session_of(request), share=True)
+
+    def compare(self, values: dict[str, Any], request: gr.Request) -> Iterator[dict]:
+        """The same batch twice: with the prefix cache as it is, then with nothing shared (caching off)."""
+        batch, session = parse_batch(values), session_of(request)
+        yield from self._stream(batch, session, share=True)
+        yield from self._stream(batch, session, share=False)
+
+    def _stream(self, batch: Batch, session: str, share: bool) -> Iterator[dict]:
+        """Stream the panels' text, and nothing else.
+
+        Gradio 6.31 makes each message of a streaming event cost every output a server-side postprocess and the
+        browser an update, changed or not. In headless Chromium (tools/measure.py), the slowest of 4 panels showed
+        5-10 updates a second with the badges, token colouring and table in the stream (19 outputs), 16-18 with
+        the six text boxes alone.
+        """
+        ctx, outputs = self.ctx, self.ui.panels.outputs
+        visitor = ctx.visitors.act(session)
+        profile = visitor.profile
+        n = len(batch.prompts)
+        answers = [""] * n
+
+        def texts() -> dict:
+            return {box: answers[i] if i < n else "" for i, box in enumerate(outputs)}
+
+        try:
+            with ctx.engines.run_on(profile) as backend:
+                base, started = backend.snapshot(), time.monotonic()
+                prompts = [backend.format_prompt(batch.prefix, p) for p in batch.prompts]
+                run = backend.submit(prompts, batch.params, session if batch.isolate else None, share)
+                ctx.visitors.register(run.request_ids, session)
+                visitor.recording = replay.Recording(base, (), tuple(run.request_ids))
+                visitor.following, visitor.playback = True, None
+                visitor.shown = ShownRun(tuple(run.request_ids), tuple(batch.prompts), profile)
+                try:
+                    yield texts()
+                    pacer = Pacer(ctx.runs.interval)
+                    with ctx.runs.streaming(), _streaming(visitor):
+                        for index, delta in run:
+                            answers[index] += delta
+                            if pacer.ready(time.monotonic()):
+                                yield texts()
+                except BackendError as exc:
+                    gr.Warning(str(exc))
+                finally:
+                    run.close()  # Stop, a closed tab or an error: release the pages now
+                summary = text.run_summary(run_infos(backend, visitor.shown), time.monotonic() - started)
+        except (ValueError, TypeError, BackendError) as exc:  # refused before anything ran
+            raise gr.Error(str(exc)) from None
+        if share:
+            visitor.with_cache, visitor.without_cache = summary, None
+        else:
+            visitor.without_cache = summary
+        yield texts()
+
+    def no_details(self) -> dict:
+        """Empty badges, token colouring and table: what a click on Run shows until the run fills them."""
+        panels = self.ui.panels
+        return {**dict.fromkeys(panels.badges, ""), **dict.fromkeys(panels.highlights), self.ui.cache.table: []}
+
+    def details(self, visitor: Visitor, highlights: bool = True) -> dict:
+        """The badges (and, unless told not to, the token colouring and request table) of the latest run."""
+        shown, panels = visitor.shown, self.ui.panels
+        if shown is None:
+            return self.no_details()
+        backend = self.ctx.engines.backend(shown.profile)
+        infos = run_infos(backend, shown)
+        update: dict = {
+            badge: text.badge(infos[i] if i < len(infos) else None) for i, badge in enumerate(panels.badges)
+        }
+        if not highlights or backend is None:
+            return update
+        update[self.ui.cache.table] = text.request_rows(infos, list(shown.prompts))
+        special = backend.special_ids()
+        for i, box in enumerate(panels.highlights):
+            info = infos[i] if i < len(infos) else None
+            known = info is not None and info.cached_tokens is not None
+            update[box] = text.token_highlights(info, backend.decode, special) if known else None
+        return update
+
+    def after_run(self, request: gr.Request) -> dict:
+        """Once a run ends (or is stopped): its final badges and table, the replay slider stretched over it and its
+        last step narrated, and the chart of what caching saved. Apart from the stream because resizing a slider is
+        a costly prop update."""
+        ctx, controls = self.ctx, self.ui.replay
+        visitor = ctx.visitors.act(session_of(request))
+        recording = follow(ctx, visitor)
+        steps = len(recording.samples) if recording else 0
+        update = self.details(visitor) | self.savings(visitor)
+        update[controls.step] = gr.Slider(maximum=max(steps, 1), **({"value": steps} if visitor.following else {}))
+        return update | {controls.note: replay.narrate(recording, steps) if recording else ""}
+
+    def savings(self, visitor: Visitor) -> dict:
+        small = visitor.profile.model == self.ctx.engines.default.model
+        cache = self.ui.cache
+        return {
+            cache.savings: charts.savings(visitor.with_cache, visitor.without_cache),
+            cache.savings_note: text.savings_note(visitor.with_cache, visitor.without_cache, small),
+        }
+
+    def follow_up(self, values: dict[str, Any]) -> dict:
+        """Each shown panel's prompt becomes prompt + answer + a new turn."""
+        n, prompts = int(values["n_panels"]), self.ui.panels.prompts
+        turns = ((values[f"prompt_{i + 1}"], values[f"output_{i + 1}"]) for i in range(n))
+        return {prompts[i]: p + o + FOLLOW_UP for i, (p, o) in enumerate(turns) if o}
+
+    def clear_cache(self, request: gr.Request) -> None:
+        """Empty the prefix cache of the visitor's engine, when no other visitor is on it (their cached pages would
+        go too: Isolate my cache gives a namespace of one's own instead)."""
+        ctx = self.ctx
+        visitor = ctx.visitors.act(session_of(request))
+        if ctx.visitors.on(visitor.profile) > 1:
+            gr.Warning(
+                "Other visitors share this engine, and clearing would take their cached pages too. Tick "
+                "'Isolate my cache' (under Sampling and options) to start from a cache of your own."
+            )
+            return
+        try:
+            freed = ctx.engines.ensure(visitor.profile).clear()
+        except BackendError as exc:
+            gr.Warning(str(exc))
+            return
+        gr.Info(f"Prefix cache cleared: {freed} cached pages are free again.")
+
+    def cache_stats(self, request: gr.Request) -> dict:
+        """The caller's engine's counters, for API clients (load tests, dashboards)."""
+        visitor = self.ctx.visitors.peek(session_of(request))
+        try:
+            return dataclasses.asdict(self.ctx.engines.ensure(visitor.profile).stats())
+        except BackendError as exc:
+            raise gr.Error(str(exc)) from None
+
+    def wire(self) -> None:
+        ui, buttons = self.ui, self.ui.buttons
+        panels = ui.panels
+        gr.api(self.cache_stats, api_name="cache_stats", concurrency_limit=8)
+        details_outputs = [*panels.badges, *panels.highlights, ui.cache.table]
+        after_outputs = [*details_outputs, ui.replay.step, ui.replay.note, ui.cache.savings, ui.cache.savings_note]
+        streams = []
+        for button, handler, api_name in ((buttons.run, self.run, "run"), (buttons.compare, self.compare, "compare")):
+            inputs, fn = by_name(ui.run_fields(), handler)
+            # a click first clears the last run's badges, token colouring and table, then streams the text alone
+            cleared = button.click(
+                self.no_details, None, details_outputs, queue=False, api_visibility="private", **QUIET
+            )
+            stream = cleared.then(
+                fn,
+                inputs,
+                list(panels.outputs),
+                api_name=api_name,
+                concurrency_limit=RUN_CONCURRENCY,
+                concurrency_id="run",
+                show_progress="minimal",
+                show_progress_on=panels.outputs[0],  # a queued run says so once, not in every panel
+            )
+            # API clients call /after_run themselves once /run returns (the browser chains it): see tests/test_app.py
+            visibility = {"api_name": "after_run"} if api_name == "run" else {"api_visibility": "private"}
+            stream.then(self.after_run, None, after_outputs, **visibility, **QUIET)
+            streams.append(stream)
+        buttons.stop.click(fn=None, cancels=streams, api_name="stop").then(
+            self.after_run, None, after_outputs, api_visibility="private", **QUIET
+        )
+        buttons.clear.click(self.clear_cache, api_name="clear_cache", concurrency_limit=4)
+        turns = {"n_panels": ui.form.n_panels}
+        for i, (prompt, output) in enumerate(zip(panels.prompts, panels.outputs, strict=True)):
+            turns |= {f"prompt_{i + 1}": prompt, f"output_{i + 1}": output}
+        inputs, fn = by_name(turns, self.follow_up)
+        buttons.follow_up.click(fn, inputs, list(panels.prompts), api_visibility="private", **QUIET)
+
+
+def follow(ctx: Context, visitor: Visitor) -> replay.Recording | None:
+    """Extend the visitor's recording with the steps its engine made since its last sample."""
+    recording = visitor.recording
+    if recording is None or visitor.shown is None:
+        return recording
+    backend = ctx.engines.backend(visitor.shown.profile)
+    if backend is None:  # its engine was retired: the recording ends where it was
+        return recording
+    last = recording.samples[-1].step if recording.samples else recording.base.step
+    visitor.recording = recording = recording.extended(backend.history(after_step=last))
+    return recording

@@ -1,0 +1,166 @@
+"""Scenarios, the lesson and the Engine settings: what a visitor's panels hold, and which engine they run on.
+
+Picking a scenario moves only the visitor to its profile's engine (built on first use, then shared); the Engine
+settings give the visitor a profile of their own. No choice here rebuilds or stops an engine that serves anyone.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import gradio as gr
+
+from astrai.playground.backends.profiles import EngineSettings, Profile
+from astrai.playground.backends.protocol import BackendError, EngineLimitReached
+from astrai.playground.callbacks.context import QUIET, Context, session_of
+from astrai.playground.scenarios import LESSON, LESSON_PROFILES, SCENARIO_BY_NAME, SCENARIOS, lesson_note
+from astrai.playground.ui.components import MAX_PANELS, by_name, fixed
+
+# Outline the view a lesson step talks about (an inline style: no stylesheet to ship). The step number is read back
+# from the note ("**Lesson 3/6: ...") because a gr.State never reaches the browser.
+HIGHLIGHT_JS = (
+    "(note) => { const ids = "
+    + json.dumps([step.look_at for step in LESSON])
+    + "; for (const id of ids) { const e = document.getElementById(id); if (e) e.style.outline = ''; }"
+    " const m = /Lesson (\\d+)\\//.exec(note || ''); const e = m && document.getElementById(ids[m[1] - 1]);"
+    " if (e) { e.style.outline = '3px solid #f59e0b'; e.scrollIntoView({block: 'nearest'}); } }"
+)
+CUSTOM_NAME = "your own settings"
+
+
+class SetupCallbacks:
+    def __init__(self, ctx: Context):
+        self.ctx, self.ui = ctx, ctx.ui
+        self.known = {p: p for p in (ctx.engines.default, *LESSON_PROFILES, *(s.profile for s in SCENARIOS))}
+
+    def load_scenario(self, name, request: gr.Request, progress=gr.Progress()) -> dict:  # noqa: B008 - gradio injects it
+        scenario = SCENARIO_BY_NAME.get(name)
+        if scenario is None:
+            return {}
+        ui, setup = self.ui, self.ui.setup
+        update: dict = {
+            setup.note: f"**{scenario.name}:** {scenario.explanation}",
+            ui.form.shared_prefix: scenario.prefix,
+            ui.form.n_panels: len(scenario.prompts),
+            ui.form.max_tokens: scenario.max_tokens,
+        }
+        prompts = scenario.prompts + [""] * (MAX_PANELS - len(scenario.prompts))
+        update |= dict(zip(ui.panels.prompts, prompts, strict=True))
+        update |= dict.fromkeys(ui.panels.outputs, "")
+        return update | self._move(session_of(request), scenario.profile, progress)
+
+    def lesson(self, index, delta: int, request: gr.Request, progress=gr.Progress()) -> dict:  # noqa: B008
+        """Move through the guided lesson: load the step's scenario and say what to look at."""
+        i = min(max(int(index or 0) + delta, 0), len(LESSON) - 1)
+        step, setup = LESSON[i], self.ui.setup
+        update = self.load_scenario(step.scenario, request, progress)
+        return update | {setup.lesson_step: i, setup.scenario: step.scenario, setup.note: lesson_note(i)}
+
+    def apply_settings(self, values: dict[str, Any], request: gr.Request, progress=gr.Progress()) -> dict:  # noqa: B008
+        """The visitor's own engine: a profile of these settings (shared with visitors who chose the same)."""
+        status = self.ui.setup.engine.status
+        try:
+            settings = EngineSettings(
+                page_size=int(values["page_size"]),
+                n_pages=int(values["n_pages"]),
+                max_batch_size=int(values["max_batch_size"]),
+                prefix_caching=bool(values["prefix_caching"]),
+                dtype=str(values["dtype"]),
+            )
+            settings.validate()
+        except (ValueError, TypeError) as exc:
+            raise gr.Error(str(exc)) from None
+        model = str(values["model"])
+        if model not in self.ctx.engines.model_choices():
+            raise gr.Error(f"Model {model!r} is not offered on this Space.")
+        wanted = Profile(model, settings, name=CUSTOM_NAME, custom=True)
+        profile = self.known.get(wanted, wanted)  # a scenario's settings: that scenario's engine
+        return self._move(session_of(request), profile, progress) | {status: self._status(profile)}
+
+    def _move(self, session: str, profile: Profile, progress) -> dict:
+        """Put the visitor on ``profile``'s engine (building it when needed); show its settings."""
+        engines, engine_form = self.ctx.engines, self.ui.setup.engine
+        if not engines.chooses_pools:
+            return {engine_form.status: self._server_note(profile)}
+        visitor = self.ctx.visitors.act(session)
+        try:
+            engines.ensure(profile, lambda done, what: progress(done, desc=what))
+        except EngineLimitReached as exc:
+            gr.Warning(str(exc))
+            return {engine_form.status: f"⚠️ {exc} You stay on the **{visitor.profile.name}** engine."}
+        except BackendError as exc:
+            gr.Warning(str(exc))
+            return {engine_form.status: f"❌ {exc} You stay on the **{visitor.profile.name}** engine."}
+        visitor.profile = profile
+        settings = profile.settings
+        return {
+            engine_form.model: profile.model,
+            engine_form.page_size: settings.page_size,
+            engine_form.n_pages: settings.n_pages,
+            engine_form.max_batch_size: settings.max_batch_size,
+            engine_form.prefix_caching: settings.prefix_caching,
+            engine_form.dtype: settings.dtype,
+            self.ui.cache.cursor: None,  # the live view draws the new engine from scratch
+            engine_form.status: self._status(profile),
+        }
+
+    def _status(self, profile: Profile) -> str:
+        return f"✅ You are on the **{profile.name}** engine ({profile.settings.describe()})."
+
+    @staticmethod
+    def _server_note(profile: Profile) -> str:
+        if profile.settings == EngineSettings():
+            return ""
+        return (
+            f"This scenario asks for a pool of {profile.settings.describe()}. A vLLM server's pool is its own: the "
+            "playground uses the server's pool as it is."
+        )
+
+    def wire(self, demo: gr.Blocks) -> None:
+        ui, setup = self.ui, self.ui.setup
+        columns = ui.panels.columns
+        ui.form.n_panels.change(
+            lambda k: {column: gr.Column(visible=i < int(k)) for i, column in enumerate(columns)},
+            ui.form.n_panels,
+            list(columns),
+            queue=False,
+            api_visibility="private",
+            **QUIET,
+        )
+        engine = setup.engine
+        engine_outputs = [engine.model, engine.page_size, engine.n_pages, engine.max_batch_size]
+        engine_outputs += [engine.prefix_caching, engine.dtype, engine.status, ui.cache.cursor]
+        scenario_outputs = [setup.note, ui.form.shared_prefix, ui.form.n_panels, ui.form.max_tokens]
+        scenario_outputs += [*ui.panels.prompts, *ui.panels.outputs, *engine_outputs]
+        # builds are rare and short (the lesson's engines are built at start): they never block the chart timer
+        setup.scenario.input(
+            self.load_scenario,
+            setup.scenario,
+            scenario_outputs,
+            api_name="load_scenario",
+            concurrency_limit=4,
+            concurrency_id="setup",
+            show_progress_on=setup.note,
+        )
+        for button, delta in ((setup.lesson_prev, -1), (setup.lesson_next, 1)):
+            button.click(
+                fixed(self.lesson, delta=delta),
+                setup.lesson_step,
+                [setup.lesson_step, setup.scenario, *scenario_outputs],
+                api_visibility="private",
+                concurrency_limit=4,
+                concurrency_id="setup",
+                show_progress_on=setup.note,
+            ).then(fn=None, inputs=setup.note, js=HIGHLIGHT_JS)
+        demo.load(fn=None, inputs=setup.note, js=HIGHLIGHT_JS)  # a fresh page: the first step's view outlined
+        inputs, apply = by_name(ui.engine_fields(), self.apply_settings)
+        engine.apply.click(
+            apply,
+            inputs,
+            engine_outputs,
+            api_name="apply_settings",
+            concurrency_limit=2,
+            concurrency_id="setup",
+            show_progress_on=engine.status,
+        )

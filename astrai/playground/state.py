@@ -1,0 +1,125 @@
+"""Per-visitor state, typed, and the one registry that holds it.
+
+A visitor is one browser session (Gradio's session hash). Their state is written by that session's callbacks only,
+each field replaced whole, so a run in progress and the chart timer agree on it. The registry's lock guards the
+tables (visitors, request owners), never a visitor's fields.
+
+Memory is bounded two ways, and polling never counts as activity:
+- at most ``KEEP_VISITORS`` visitors (a small record each), the least recently *active* forgotten first;
+- at most ``KEEP_RECORDINGS`` replays (a run's recorded steps: the heavy part), kept by the same order.
+The 1 Hz chart refresh of an open tab only marks it as seen (for "visitors on this engine"): it neither creates
+a visitor nor moves one up the order, so hundreds of idle tabs cannot push an active visitor's replay out.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from astrai.playground.backends.profiles import Profile
+from astrai.playground.views.pages import Owner
+from astrai.playground.views.replay import Recording
+from astrai.playground.views.text import RunSummary
+
+KEEP_OWNERS = 4096  # requests remembered; the oldest are forgotten first (their pages show as another session's)
+KEEP_VISITORS = 4096
+KEEP_RECORDINGS = 128
+SEEN_WITHIN_S = 10.0  # a tab polled within this long counts as a visitor on its engine
+
+
+@dataclass(frozen=True)
+class ShownRun:
+    """The run whose badges, token colouring and table a visitor sees: the latest one they started."""
+
+    request_ids: tuple[int, ...]
+    prompts: tuple[str, ...]
+    profile: Profile  # the engine it ran on (its request ids are that engine's)
+
+
+@dataclass(frozen=True)
+class Playback:
+    """A replay playing: its speed, and where and when it started."""
+
+    speed: float
+    wall_start: float  # time.monotonic() at the start
+    start_index: int
+
+
+@dataclass
+class Visitor:
+    """One session's view state."""
+
+    profile: Profile  # the engine this visitor is on: the scenario's, or their own settings'
+    recording: Recording | None = None
+    following: bool = True  # live: the replay slider and the charts follow the latest step
+    streaming_since: float | None = None  # monotonic start of this visitor's streaming run (charts redraw less)
+    playback: Playback | None = None
+    with_cache: RunSummary | None = None
+    without_cache: RunSummary | None = None
+    shown: ShownRun | None = None
+    seen_at: float = field(default_factory=time.monotonic)
+
+
+class Visitors:
+    """Every visitor's state, and the request -> (session, panel) map the privacy rule reads.
+
+    Request ids are unique within the process across every engine (``astrai.request`` numbers them from one
+    counter; the vLLM backend from its own), so one owner map serves every engine."""
+
+    def __init__(self, default: Profile):
+        self._default = default
+        self._lock = threading.Lock()  # guards _visitors and _owners (not the visitors' fields)
+        self._visitors: OrderedDict[str, Visitor] = OrderedDict()  # least recently active first
+        self._owners: OrderedDict[int, Owner] = OrderedDict()
+        self._polling: OrderedDict[str, float] = OrderedDict()  # tabs that only poll: session -> last seen
+
+    def act(self, session: str) -> Visitor:
+        """The visitor doing something (a run, a replay, a lesson step): created if new, moved to the front."""
+        with self._lock:
+            visitor = self._visitors.pop(session, None) or Visitor(self._default)
+            self._polling.pop(session, None)
+            visitor.seen_at = time.monotonic()
+            self._visitors[session] = visitor
+            while len(self._visitors) > KEEP_VISITORS:
+                self._visitors.popitem(last=False)
+            for old in list(self._visitors.values())[:-KEEP_RECORDINGS]:
+                old.recording = None
+            return visitor
+
+    def peek(self, session: str) -> Visitor:
+        """The visitor as a poll sees them: marked seen, never created in the table nor moved up the order (a tab
+        that never acts reads a fresh default visitor)."""
+        now = time.monotonic()
+        with self._lock:
+            visitor = self._visitors.get(session)
+            if visitor is None:
+                self._polling.pop(session, None)
+                self._polling[session] = now
+                while len(self._polling) > KEEP_VISITORS:
+                    self._polling.popitem(last=False)
+                return Visitor(self._default)
+        visitor.seen_at = now
+        return visitor
+
+    def on(self, profile: Profile, now: float | None = None) -> int:
+        """Visitors on ``profile``'s engine seen recently (at least the caller, who just polled or acted)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            count = sum(v.profile == profile and now - v.seen_at <= SEEN_WITHIN_S for v in self._visitors.values())
+            if profile == self._default:  # a tab that only polls is on the default engine
+                count += sum(now - seen <= SEEN_WITHIN_S for seen in self._polling.values())
+        return max(count, 1)
+
+    def register(self, request_ids: list[int], session: str) -> None:
+        with self._lock:
+            for panel, rid in enumerate(request_ids):
+                self._owners[rid] = Owner(session, panel)
+            while len(self._owners) > KEEP_OWNERS:
+                self._owners.popitem(last=False)
+
+    def owners(self, request_ids: list[int]) -> dict[int, Owner]:
+        """The known owners of these requests (a forgotten one is absent: its pages read "other session")."""
+        with self._lock:
+            return {rid: self._owners[rid] for rid in request_ids if rid in self._owners}

@@ -1,0 +1,216 @@
+"""The page's layout: components only, no events (each callbacks module wires its own).
+
+Laid out for a 1366×768 laptop screen: the panels on the left and the cache (page map, occupancy) on the right,
+so a run and what it does to the cache are in view together, without scrolling. Below them: replay, the other
+charts, the prefix tree, what caching saved, the coloured prompt tokens and the settings.
+
+A fresh page opens on the lesson's first step, its prompts filled in: the first click on Run streams.
+"""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from astrai.playground.backends.profiles import BATCH_SIZES, DTYPES, PAGE_SIZES, POOL_PAGES, Profile
+from astrai.playground.scenarios import LESSON, SCENARIO_BY_NAME, SCENARIOS, lesson_note
+from astrai.playground.ui.components import (
+    MAX_PANELS,
+    CacheViews,
+    Components,
+    EngineForm,
+    Panels,
+    ReplayControls,
+    RunButtons,
+    RunForm,
+    Setup,
+)
+from astrai.playground.views import text
+
+MAX_PROMPT_CHARS = 2000
+MAX_NEW_TOKENS = 256
+REFRESH_SECONDS = 1.0
+REPLAY_TICK_SECONDS = 0.2
+CAPTIONS = {
+    "page_map": "Every page: your panel's colour when in use (x = shared), blue when cached (darker = more recently "
+    "used), grey when free or another visitor's; red marks an eviction. Hover a page for its refs, owners, tokens "
+    "and hits served.",
+    "occupancy": "Pages in use by running requests, cached (kept after their requests ended, evictable), and free, "
+    "after each engine step.",
+    "lru": "Cached pages wait in the LRU; it shrinks when a hit takes a page back or an eviction reuses one.",
+    "hit_rate": text.HIT_RATE_CAPTION,
+    "tree": "Every cached page under the page its key chains from: prompts share a branch as long as they share "
+    "full pages. Text is shown for your own pages only.",
+}
+INTRO = (
+    "### AstrAI playground: watch a KV cache reuse work\n"
+    "Prompts run as **one batch** through a paged KV cache with a **prefix cache**: full pages are keyed by a chained "
+    "hash of their tokens, and a request that starts with the same tokens reuses them. Each scenario runs on its own "
+    "engine, shared with the other visitors on it (their text stays hidden)."
+)
+
+
+def build_layout(default: Profile, model_choices: list[str], chooses_pools: bool) -> Components:
+    """Every component, inside the caller's ``gr.Blocks``."""
+    first = SCENARIO_BY_NAME[LESSON[0].scenario]
+    gr.Markdown(INTRO)
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=3, min_width=640):
+            with gr.Row():
+                scenario = gr.Dropdown(
+                    [s.name for s in SCENARIOS], value=first.name, label="Scenario", elem_id="scenario", scale=2
+                )
+                n_panels = gr.Slider(
+                    1, MAX_PANELS, value=len(first.prompts), step=1, label="Panels", elem_id="n_panels", scale=1
+                )
+                with gr.Column(scale=1, min_width=120):
+                    lesson_prev = gr.Button("◀ Lesson", size="sm", elem_id="lesson_prev")
+                    lesson_next = gr.Button("Lesson ▶", size="sm", elem_id="lesson_next")
+            with gr.Row():
+                buttons = RunButtons(
+                    run=gr.Button("Run", variant="primary", elem_id="run_btn", min_width=80),
+                    stop=gr.Button("Stop", variant="stop", elem_id="stop_btn", min_width=80),
+                    follow_up=gr.Button("Follow-up turn", elem_id="follow_btn", min_width=120),
+                    compare=gr.Button("Compare with caching off", elem_id="compare_btn", min_width=180),
+                    clear=gr.Button("Clear cache", elem_id="clear_btn", min_width=100),
+                )
+            note = gr.Markdown(lesson_note(0), elem_id="scenario_note")
+            shared_prefix = gr.Textbox(
+                first.prefix,
+                label="Shared prefix (a system prompt before every panel's prompt)",
+                lines=1,
+                max_lines=3,
+                max_length=MAX_PROMPT_CHARS,
+                elem_id="prefix",
+            )
+            panels = _panels(first.prompts)
+        with gr.Column(scale=2, min_width=420):
+            page_map = gr.Plot(elem_id="page_map", show_label=False)
+            occupancy = gr.Plot(elem_id="plot_0", show_label=False)
+            stats = gr.Markdown(elem_id="stats")
+    replay = _replay_controls()
+    with gr.Row(equal_height=False):
+        with gr.Column():
+            lru = gr.Plot(elem_id="plot_1", show_label=False)
+            gr.Markdown(f"<small>{CAPTIONS['lru']}</small>")
+        with gr.Column():
+            hit_rate = gr.Plot(elem_id="plot_2", show_label=False)
+            gr.Markdown(f"<small>{CAPTIONS['hit_rate']}</small>")
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=3):
+            prefix_tree = gr.Plot(elem_id="prefix_tree", show_label=False)
+            gr.Markdown(f"<small>{CAPTIONS['tree']}</small>")
+        with gr.Column(scale=2):
+            savings = gr.Plot(elem_id="savings", show_label=False)
+            savings_note = gr.Markdown(elem_id="savings_note")
+    gr.Markdown(f"<small>{CAPTIONS['page_map']} {CAPTIONS['occupancy']}</small>")
+    highlights = _highlights()
+    with gr.Accordion("Sampling and options", open=False), gr.Row():
+        max_tokens = gr.Slider(
+            1, MAX_NEW_TOKENS, value=first.max_tokens, step=1, label="Max tokens", elem_id="max_tokens"
+        )
+        temperature = gr.Slider(0, 2, value=0, step=0.05, label="Temperature (0 = greedy)")
+        top_p = gr.Slider(0.05, 1, value=1, step=0.05, label="Top-p")
+        top_k = gr.Slider(0, 200, value=0, step=1, label="Top-k (0 = off)")
+        seed = gr.Number(0, precision=0, label="Seed", minimum=0)
+        isolate = gr.Checkbox(False, label="Isolate my cache (salt the hash with my session)", elem_id="isolate")
+        live_charts = gr.Checkbox(True, label="Live charts (refresh every second)", elem_id="live_charts")
+    table = gr.DataFrame(headers=text.TABLE_COLUMNS, label="Your requests", interactive=False, elem_id="requests")
+    engine = _engine_form(default, model_choices, chooses_pools)
+    return Components(
+        panels=Panels(panels.columns, panels.prompts, panels.outputs, panels.badges, highlights),
+        form=RunForm(n_panels, shared_prefix, max_tokens, temperature, top_p, top_k, seed, isolate),
+        buttons=buttons,
+        cache=CacheViews(
+            page_map=page_map,
+            occupancy=occupancy,
+            lru=lru,
+            hit_rate=hit_rate,
+            prefix_tree=prefix_tree,
+            stats=stats,
+            table=table,
+            savings=savings,
+            savings_note=savings_note,
+            live_charts=live_charts,
+            cursor=gr.State(None),
+            timer=gr.Timer(REFRESH_SECONDS),
+        ),
+        replay=replay,
+        setup=Setup(scenario, note, lesson_prev, lesson_next, gr.State(0), engine),
+    )
+
+
+def _panels(prompts: list[str]) -> Panels:
+    columns, boxes, outputs, badges = [], [], [], []
+    with gr.Row(equal_height=False):
+        for i in range(MAX_PANELS):
+            with gr.Column(visible=i < len(prompts), min_width=150) as column:
+                boxes.append(
+                    gr.Textbox(
+                        prompts[i] if i < len(prompts) else "",
+                        label=f"Panel {i + 1} prompt",
+                        lines=2,
+                        max_lines=2,
+                        max_length=MAX_PROMPT_CHARS,
+                        elem_id=f"prompt_{i}",
+                    )
+                )
+                outputs.append(
+                    gr.Textbox(
+                        label=f"Panel {i + 1} output",
+                        lines=4,
+                        max_lines=4,
+                        interactive=False,
+                        autoscroll=True,
+                        elem_id=f"out_{i}",
+                    )
+                )
+                badges.append(gr.Markdown("", elem_id=f"badge_{i}"))
+            columns.append(column)
+    return Panels(tuple(columns), tuple(boxes), tuple(outputs), tuple(badges), ())
+
+
+def _highlights() -> tuple[gr.HighlightedText, ...]:
+    accordion = gr.Accordion("Prompt tokens: cached or computed", open=False, elem_id="tokens_accordion")
+    with accordion, gr.Row(equal_height=False):
+        return tuple(
+            gr.HighlightedText(
+                label=f"Panel {i + 1} prompt tokens",
+                color_map={"cached": "#22c55e", "computed": "#f97316"},
+                show_legend=True,
+                elem_id=f"tokens_{i}",
+                combine_adjacent=False,
+                min_width=150,
+            )
+            for i in range(MAX_PANELS)
+        )
+
+
+def _replay_controls() -> ReplayControls:
+    with gr.Row(equal_height=False):
+        step = gr.Slider(0, 1, value=0, step=1, label="Replay: step of your last run", elem_id="replay_step", scale=4)
+        small = {"size": "sm", "scale": 0}
+        back = gr.Button("◀ step", elem_id="replay_back", min_width=70, **small)
+        play_1x = gr.Button("▶ 1×", elem_id="replay_play", min_width=60, **small)
+        play_slow = gr.Button("▶ ¼×", elem_id="replay_slow", min_width=60, **small)
+        pause = gr.Button("❚❚", elem_id="replay_pause", min_width=50, **small)
+        forward = gr.Button("step ▶", elem_id="replay_fwd", min_width=70, **small)
+        live = gr.Button("Live", elem_id="replay_live", min_width=60, **small)
+    note = gr.Markdown("", elem_id="replay_note")
+    timer = gr.Timer(REPLAY_TICK_SECONDS, active=False)
+    return ReplayControls(step, note, back, forward, play_1x, play_slow, pause, live, timer)
+
+
+def _engine_form(default: Profile, model_choices: list[str], chooses_pools: bool) -> EngineForm:
+    title = "Engine settings (your own engine: applying gives you an engine with these settings)"
+    settings = default.settings
+    with gr.Accordion(title, open=False, visible=chooses_pools, elem_id="engine_settings"):
+        with gr.Row():
+            model = gr.Dropdown(model_choices, value=default.model, label="Model", elem_id="engine_model")
+            page_size = gr.Dropdown(list(PAGE_SIZES), value=settings.page_size, label="Page size (tokens)")
+            n_pages = gr.Slider(*POOL_PAGES, value=settings.n_pages, step=8, label="Pool size (pages)")
+            max_batch = gr.Slider(*BATCH_SIZES, value=settings.max_batch_size, step=1, label="Max batch")
+            prefix_caching = gr.Checkbox(settings.prefix_caching, label="Prefix caching")
+            dtype = gr.Radio(list(DTYPES), value=settings.dtype, label="dtype")
+        apply = gr.Button("Apply settings / load model", elem_id="apply_btn")
+        status = gr.Markdown(elem_id="engine_status")
+    return EngineForm(model, page_size, n_pages, max_batch, prefix_caching, dtype, apply, status)

@@ -1,0 +1,84 @@
+"""Per-visitor state under a classroom: polls never count as activity, and memory stays bounded."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import gradio as gr
+import pytest
+
+from astrai.observation import CacheSnapshot
+from astrai.playground.backends.engines import LocalEngines
+from astrai.playground.backends.profiles import DEFAULT_PROFILE, SMALL_POOL_PROFILE
+from astrai.playground.callbacks.context import Context
+from astrai.playground.callbacks.live import LiveCallbacks
+from astrai.playground.callbacks.pacing import StreamingRuns
+from astrai.playground.callbacks.replay import ReplayCallbacks
+from astrai.playground.callbacks.run import RunCallbacks
+from astrai.playground.state import KEEP_RECORDINGS, Visitors
+from astrai.playground.ui.layout import build_layout
+from astrai.playground.views.replay import Recording
+
+OPEN_TABS = 200
+
+
+def recording() -> Recording:
+    return Recording(CacheSnapshot(step=0, pages=()), (), (1,))
+
+
+def test_polls_neither_create_visitors_nor_push_an_active_one_out():
+    visitors = Visitors(DEFAULT_PROFILE)
+    visitors.act("active").recording = recording()
+    for _ in range(3):
+        for tab in range(OPEN_TABS):
+            visitors.peek(f"tab-{tab}")
+    assert visitors.peek("active").recording is not None
+    assert visitors.on(DEFAULT_PROFILE) == OPEN_TABS + 1, "every open tab is counted on the default engine"
+
+
+def test_recordings_are_bounded_by_activity_order():
+    visitors = Visitors(DEFAULT_PROFILE)
+    for i in range(KEEP_RECORDINGS + 5):
+        visitors.act(f"v{i}").recording = recording()
+    visitors.act("v0")  # acting again keeps... nothing it already lost
+    kept = [visitors.peek(f"v{i}").recording is not None for i in range(KEEP_RECORDINGS + 5)]
+    assert kept[-KEEP_RECORDINGS + 1 :] == [True] * (KEEP_RECORDINGS - 1)
+    assert not any(kept[1:5]), "the least recently active lost their replays first"
+
+
+def test_visitors_count_by_engine():
+    visitors = Visitors(DEFAULT_PROFILE)
+    visitors.act("a")
+    visitors.act("b").profile = SMALL_POOL_PROFILE
+    assert visitors.on(SMALL_POOL_PROFILE) == 1 and visitors.on(DEFAULT_PROFILE) == 1
+
+
+@pytest.fixture(scope="module")
+def playground():
+    engines = LocalEngines(idle_retire_s=3600)
+    with gr.Blocks():
+        ui = build_layout(engines.default, list(engines.model_choices()), engines.chooses_pools)
+    ctx = Context(engines, Visitors(engines.default), ui, StreamingRuns())
+    runs = RunCallbacks(ctx)
+    yield ctx, runs, LiveCallbacks(ctx, runs), ReplayCallbacks(ctx)
+    engines.shutdown()
+
+
+def request(session: str):
+    return SimpleNamespace(session_hash=session)
+
+
+def test_two_hundred_polling_tabs_leave_an_active_visitors_replay(playground):
+    """The 1 Hz refresh used to move each polling tab to the front of the visitor LRU: past 128 open tabs, every
+    visitor's state (their replay among it) was evicted each second."""
+    ctx, runs, live, replays = playground
+    fields = {name: component.value for name, component in ctx.ui.run_fields().items()}
+    for _ in runs.run(fields | {"max_tokens": 8}, request("active")):
+        pass
+    runs.after_run(request("active"))
+    recorded = replays.page_map_at(3, request("active"))
+    assert recorded, "control: the run was recorded"
+    for _ in range(2):
+        for tab in range(OPEN_TABS):
+            live.refresh(None, request(f"tab-{tab}"))
+    assert replays.page_map_at(3, request("active")) == recorded
