@@ -405,3 +405,21 @@ def test_browser_two_visitors_one_scenario_each_neither_disturbs_the_other(serve
         assert "1024 pages × 16 tokens, batch 64" in stats_text(a), "A's engine is the one A started on"
         assert re.search(r"\b0 evictions", stats_text(a)), stats_text(a)
         assert len(a.locator("#out_0 textarea").input_value()) > 500, "panel 1 ran its 256 tokens"
+
+
+@pytest.mark.browser
+def test_browser_badges_fill_in_while_the_run_streams(page):
+    """TTFT shows in the badge as soon as the live view knows it, not only when the run ends (the request table,
+    which ``after_run`` fills, is still empty then)."""
+    page.locator("#n_panels input[type=number]").fill("1")
+    page.locator("#n_panels input[type=number]").press("Enter")
+    page.locator("#prefix textarea").fill("")
+    page.locator("#prompt_0 textarea").fill("and then " * 15)  # greedy, this runs to all 256 tokens
+    page.get_by_text("Sampling").first.click()
+    page.locator("#max_tokens input[type=number]").fill("256")
+    page.locator("#max_tokens input[type=number]").press("Enter")
+    page.click("#run_btn")
+    page.wait_for_function("/TTFT/.test(document.querySelector('#badge_0').innerText)", timeout=60000)
+    assert "finished" not in page.locator("#requests").inner_text(), "the badge came before the run ended"
+    assert "running" not in page.locator("#badge_0").inner_text()
+    page.click("#stop_btn")
