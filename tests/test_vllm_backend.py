@@ -305,6 +305,10 @@ def test_stop_closes_every_stream_so_the_server_aborts_them():
             assert counts()["finished"] == 0
             stats = client.predict(api_name="/cache_stats")
             assert stats["cancelled"] == 4 and stats["finished"] == 0, stats
+            # a scenario that would need a pool of its own says the server's is used (and nothing is built)
+            outputs = client.predict("Eviction pressure (small pool)", api_name="/load_scenario")
+            assert any(isinstance(o, str) and "uses the server's pool as it is" in o for o in outputs), outputs
+            assert client.predict(api_name="/cache_stats")["n_pages"] == stats["n_pages"]
     finally:
         fake.kill()
         fake.wait(timeout=10)
