@@ -4,20 +4,37 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tools.loadtest import launch_app, run_load
+from tools.loadtest import SPREAD_WEIGHTS, launch_app, run_load, start_app
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 
 
-def test_concurrent_clients_with_cancels_complete_and_leak_nothing():
+def test_a_classroom_spread_over_the_scenarios_completes_undisturbed_and_leaks_nothing():
+    """Six users, one per scenario and one on Engine settings of its own, each moving to its scenario before every
+    run: no error, no run cut short by another visitor's move, no page left on any engine."""
     ARTIFACTS.mkdir(exist_ok=True)
-    with launch_app(log_path=ARTIFACTS / "load-app.log") as url:
-        report = run_load(url, clients=6, rounds=2, max_tokens=12, cancel_rate=0.3, job_timeout=120)
+    with start_app(log_path=ARTIFACTS / "load-app.log") as app:
+        report = run_load(
+            app.url,
+            clients=6,
+            rounds=2,
+            max_tokens=12,
+            cancel_rate=0.3,
+            job_timeout=120,
+            spread="weighted",
+            custom=1,
+            app_pid=app.pid,
+        )
     summary = report.summary()
     assert report.outcomes["error"] == 0 and report.outcomes["hung"] == 0, summary
+    assert report.ended_by_other == [], summary
     assert report.outcomes["completed"] + report.outcomes["cancelled"] == 12, summary
     assert report.outcomes["completed"] > 0 and len(report.ttft) >= report.outcomes["completed"]
-    assert report.used_pages_after == 0, summary
+    assert set(report.clients) == {*SPREAD_WEIGHTS, "Shared system prompt (own settings)"}, report.clients
+    assert set(report.engines) == {"default", "small pool", "your own settings"}, report.engines
+    assert report.used_pages_after == 0, report.engines
+    assert report.memory_kb["after"] > 0 and report.memory_kb["peak"] >= report.memory_kb["after"], report.memory_kb
+    assert len(report.lines()) > 8
 
 
 def test_a_full_queue_answers_busy_at_once_instead_of_hanging():

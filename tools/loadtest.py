@@ -1,9 +1,39 @@
-"""Load test of the playground: ``python -m tools.loadtest --clients 16 --rounds 3``.
+"""Load test of the playground: ``python -m tools.loadtest --clients 16 --rounds 3 [--spread]``.
 
-Starts app.py on loopback (or uses ``--url``), then runs concurrent gradio_client users, each sending 4-panel
-batches for several rounds and cancelling some mid-stream. It reports completed / errors / cancelled counts,
-p50/p95 time to first token and total time, how a full queue answers, and the engine's used pages afterwards.
-Every loop is bounded in count and time.
+Starts app.py on loopback (or uses ``--url``), then runs concurrent gradio_client users (one ``Client``, one
+session each), each sending batches for several rounds and cancelling some mid-stream (``--cancel-rate``). It
+reports completed / errors / cancelled counts, p50/p95 time to first token and total time, how a full queue
+answers, and the engines' used pages afterwards; the CPU; and, for an app it started, the app process's memory.
+
+Two ways to fill the panels:
+
+- without ``--spread`` (the figures in docs/benchmarks.md): every user sends 4 of ``PROMPTS`` after ``PREFIX``,
+  on the default engine;
+- ``--spread [weighted|round-robin]``: a classroom working through the lesson. Each user is given a scenario
+  (weighted, the default of the flag: half of them on "Shared system prompt", the rest evenly over "Eviction
+  pressure (small pool)", "Distinct prompts (no hits)", "Same page, different prefix" and "Follow-up turn", each
+  scenario at least once when there are enough users; or round-robin over the same five). Every round starts, as
+  the lesson's steps do, with ``/load_scenario`` of that scenario in the user's own session (which puts the session
+  on the scenario's engine); then the user runs the scenario's prompts after its prefix, with max tokens
+  ``min(scenario's, --max-tokens)``, and calls ``/after_run`` as the browser does. A "Follow-up turn" user sends
+  each panel's prompt + answer + " Then" from its second round on. ``--custom N`` (1 by default with ``--spread``)
+  users of the shared-system-prompt scenario first apply their own Engine settings (``/apply_settings``,
+  ``CUSTOM_SETTINGS``: an engine of their own). Figures are given per scenario (and engine), and overall.
+
+A run is **ended by another visitor** when its own client did not cancel it and /run returned without an error,
+and yet (a) the run's stream carried a warning (``gr.Warning``: the app's "The engine was rebuilt or stopped, so
+this run ended early", or a failed request), or (b) with ``--spread``, the ``/after_run`` badge of one of its panels
+says "cancelled" or "failed" (the request's status), or is empty (the engine no longer knows the request: it was
+retired or replaced). Nothing the client does can cause either, so every such run was cut short by something
+outside it: another visitor's action, or the app. It is not counted as completed.
+
+The tool's own engines: before the load, one stats session per engine the load uses (the default, the small pool,
+the custom one) moves there and reads ``/cache_stats``; after it, each is read again for the tokens generated,
+used pages and failed requests. The app's memory is ``VmRSS`` (and its peak, ``VmHWM``) of the server process,
+read before the load (every engine the load uses is built by then) and after it; with ``--url`` it is not known.
+With several rounds, TTFT and total time are also given per round (a round is every user's n-th run; users are
+not synchronised), as min / median / max over the rounds. Every loop is bounded in count and time; all traffic is
+loopback (or ``--url``).
 """
 
 from __future__ import annotations
@@ -37,17 +67,39 @@ PROMPTS = [
     "Ben and Sam",
 ]
 PREFIX = "Once upon a time, in a small village by the sea, there lived a kind old fisherman named Tom. "
+# --spread weighted: users per scenario in these proportions (16 users: 8 / 2 / 2 / 2 / 2, one of the 8 on its own
+# settings by default)
+SPREAD_WEIGHTS = {
+    "Shared system prompt": 8,
+    "Eviction pressure (small pool)": 2,
+    "Distinct prompts (no hits)": 2,
+    "Same page, different prefix": 2,
+    "Follow-up turn": 2,
+}
+SPREADS = ("weighted", "round-robin")
+# --custom: the Engine settings those users apply (an engine none of the scenarios names)
+CUSTOM_SETTINGS = dict(page_size=8, n_pages=512, max_batch_size=16, prefix_caching=True, dtype="float32")
+CUSTOM_GROUP = " (own settings)"
+MAX_PROMPT_CHARS = 4000  # the app refuses prefix + prompt beyond 2 x ui.layout.MAX_PROMPT_CHARS
+ENDED_WORDS = ("cancelled", "failed")
+
+
+# ----- the app -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LaunchedApp:
+    url: str
+    pid: int
 
 
 @contextlib.contextmanager
-def launch_app(
+def start_app(
     extra_env: dict[str, str] | None = None,
     log_path: Path | None = None,
     app: Path = APP,
     args: list[str] | None = None,
-) -> Iterator[str]:
+) -> Iterator[LaunchedApp]:
     """Serve ``app`` (this checkout's app.py by default) on a free loopback port for the duration of the block;
-    yields its URL."""
+    yields its URL and the server's process id."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -76,7 +128,7 @@ def launch_app(
                 if time.monotonic() > deadline:
                     raise TimeoutError("app.py did not start within 120 s") from None
                 time.sleep(0.3)
-        yield url
+        yield LaunchedApp(url, proc.pid)
     finally:
         proc.terminate()
         try:
@@ -86,6 +138,41 @@ def launch_app(
         log.close()
 
 
+@contextlib.contextmanager
+def launch_app(
+    extra_env: dict[str, str] | None = None,
+    log_path: Path | None = None,
+    app: Path = APP,
+    args: list[str] | None = None,
+) -> Iterator[str]:
+    """``start_app``, yielding the URL alone."""
+    with start_app(extra_env, log_path, app, args) as launched:
+        yield launched.url
+
+
+def process_memory_kb(pid: int) -> dict[str, int]:
+    """``VmRSS`` and ``VmHWM`` (peak) of a process, in kB; empty when it is gone."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return {}
+    fields = (line.split(":", 1) for line in lines if line.startswith(("VmRSS:", "VmHWM:")))
+    return {name: int(value.split()[0]) for name, value in fields}
+
+
+def cpu_description() -> str:
+    """The CPU's model name and whether it has AVX-512 (``avx512f``) and AMX (``amx_tile``)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "unknown (no /proc/cpuinfo)"
+    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
+    flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
+    has = {flag: "yes" if flag in flags else "no" for flag in ("avx512f", "amx_tile")}
+    return f"{name} ({os.cpu_count()} CPUs); avx512f: {has['avx512f']}; amx_tile: {has['amx_tile']}"
+
+
+# ----- what the users send -------------------------------------------------------------------------------------
 def run_args(panels: list[str], max_tokens: int, prefix: str = PREFIX) -> dict:
     """Keyword arguments of the /run endpoint for these panel prompts, greedy."""
     prompts = panels + [""] * (6 - len(panels))
@@ -102,27 +189,126 @@ def run_args(panels: list[str], max_tokens: int, prefix: str = PREFIX) -> dict:
     )
 
 
+@dataclass(frozen=True)
+class Visit:
+    """What one user does: the scenario it loads, and whether it applies ``CUSTOM_SETTINGS`` after it."""
+
+    scenario: str | None  # None: the plain mode (4 of PROMPTS on the default engine)
+    custom: bool = False
+
+    @property
+    def group(self) -> str:
+        if self.scenario is None:
+            return "4 of PROMPTS"
+        return self.scenario + (CUSTOM_GROUP if self.custom else "")
+
+    @property
+    def engine(self) -> str:
+        """The name of the profile it runs on."""
+        if self.custom:
+            return "your own settings"
+        if self.scenario is None:
+            return "default"
+        from astrai.playground.scenarios import SCENARIO_BY_NAME
+
+        return SCENARIO_BY_NAME[self.scenario].profile.name
+
+
+def apportion(n: int, weights: dict[str, int]) -> dict[str, int]:
+    """``n`` split in proportion to ``weights`` (largest remainders, ties in order), each name at least once when
+    ``n`` allows."""
+    total = sum(weights.values())
+    quotas = {name: n * w / total for name, w in weights.items()}
+    counts = {name: int(q) for name, q in quotas.items()}
+    by_remainder = sorted(weights, key=lambda name: quotas[name] - counts[name], reverse=True)
+    for name in by_remainder[: n - sum(counts.values())]:
+        counts[name] += 1
+    if n >= len(weights):
+        for name in weights:
+            if counts[name] == 0:
+                counts[max(counts, key=counts.get)] -= 1
+                counts[name] = 1
+    return counts
+
+
+def spread_plan(clients: int, spread: str | None, custom: int = 0) -> list[Visit]:
+    """Each user's visit. ``weighted``: ``apportion`` over ``SPREAD_WEIGHTS``, interleaved (smooth weighted
+    round-robin) so the scenarios start mixed; ``round-robin``: the scenarios in turn. Then up to ``custom`` users
+    of the first scenario (from the last, one always left plain) apply their own settings."""
+    if spread is None:
+        return [Visit(None)] * clients
+    names = list(SPREAD_WEIGHTS)
+    if spread == "round-robin":
+        order = [names[i % len(names)] for i in range(clients)]
+    elif spread == "weighted":
+        counts = apportion(clients, SPREAD_WEIGHTS)
+        credit = dict.fromkeys(names, 0)
+        order = []
+        for _ in range(clients):
+            for name in names:
+                credit[name] += counts[name]
+            best = max(names, key=lambda name: credit[name])
+            credit[best] -= clients
+            order.append(best)
+    else:
+        raise ValueError(f"spread must be one of {SPREADS}, got {spread!r}")
+    visits = [Visit(name) for name in order]
+    firsts = [i for i, visit in enumerate(visits) if visit.scenario == names[0]]
+    for i in firsts[1:][::-1][:custom]:
+        visits[i] = Visit(names[0], custom=True)
+    return visits
+
+
+# ----- the report ----------------------------------------------------------------------------------------------
+@dataclass
+class RunRecord:
+    group: str
+    engine: str
+    round: int  # 0-based
+    outcome: str  # completed / cancelled / ended_by_other / busy / error
+    ttft: float | None
+    total: float
+
+
+def pct(values: list[float], q: int) -> float | None:
+    return round(statistics.quantiles(values, n=100)[q - 1], 3) if len(values) >= 2 else None
+
+
+def spread_of(values: list[float | None]) -> str:
+    """min / median / max of the values that are known."""
+    known = [v for v in values if v is not None]
+    if not known:
+        return "n/a"
+    return " / ".join(f"{v:.3f}" for v in (min(known), statistics.median(known), max(known)))
+
+
 @dataclass
 class LoadReport:
-    outcomes: Counter = field(default_factory=Counter)  # completed / cancelled / busy / error
+    outcomes: Counter = field(default_factory=Counter)  # completed / cancelled / ended_by_other / busy / error / hung
     ttft: list[float] = field(default_factory=list)
     total: list[float] = field(default_factory=list)
     busy_answer_s: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
-    used_pages_after: int = -1
+    ended_by_other: list[str] = field(default_factory=list)  # why, one line per such run
+    runs: list[RunRecord] = field(default_factory=list)
+    clients: dict[str, int] = field(default_factory=dict)  # group -> users
+    used_pages_after: int = -1  # the most any engine the load used still holds (0: none leaked)
+    engines: dict[str, dict] = field(default_factory=dict)  # engine -> generated tokens, used pages after, failed
     seconds: float = 0.0
-    tokens_per_s: float | None = None  # tokens the engine generated during the load, over its wall time
+    tokens_per_s: float | None = None  # tokens the engines generated during the load, over its wall time
+    memory_kb: dict[str, int] = field(default_factory=dict)  # VmRSS before/after the load, VmHWM after; {}: unknown
+    cpu: str = field(default_factory=cpu_description)
+    config: str = ""
 
     def summary(self) -> dict:
-        def pct(values: list[float], q: float) -> float | None:
-            return round(statistics.quantiles(values, n=100)[q - 1], 3) if len(values) >= 2 else None
-
         return dict(
             outcomes=dict(self.outcomes),
             ttft_p50=pct(self.ttft, 50),
             ttft_p95=pct(self.ttft, 95),
             total_p50=pct(self.total, 50),
             total_p95=pct(self.total, 95),
+            ended_by_other=len(self.ended_by_other),
+            ended_by_other_why=self.ended_by_other[:5],
             busy_answers=len(self.busy_answer_s),
             busy_answer_max_s=max(self.busy_answer_s, default=None),
             errors=self.errors[:5],
@@ -130,6 +316,160 @@ class LoadReport:
             seconds=round(self.seconds, 1),
             tokens_per_s=None if self.tokens_per_s is None else round(self.tokens_per_s, 1),
         )
+
+    def lines(self) -> list[str]:
+        """The report as text: CPU, per group and overall, per round, engines, memory."""
+        out = [f"cpu: {self.cpu}", f"load: {self.config}"]
+        header = f"{'scenario':<46} {'engine':<18} {'users':>5} {'runs':>4} {'done':>4} {'canc':>4} {'err':>4}"
+        out.append(header + f" {'other':>5}  {'TTFT p50 / p95 s':<17} {'total p50 / p95 s':<17}")
+        groups = [*self.clients, "overall"]
+        for group in groups:
+            runs = self.runs if group == "overall" else [r for r in self.runs if r.group == group]
+            if not runs:
+                continue
+            count = Counter(r.outcome for r in runs)
+            ttft = [r.ttft for r in runs if r.ttft is not None]
+            total = [r.total for r in runs if r.outcome == "completed"]
+            engine = "" if group == "overall" else runs[0].engine
+            users = sum(self.clients.values()) if group == "overall" else self.clients[group]
+            out.append(
+                f"{group:<46} {engine:<18} {users:>5} {len(runs):>4} {count['completed']:>4} {count['cancelled']:>4}"
+                f" {count['error'] + count['busy']:>4} {count['ended_by_other']:>5}  {_pair(ttft):<17} {_pair(total)}"
+            )
+        rounds = sorted({r.round for r in self.runs})
+        if len(rounds) > 1:
+            ttft = [[r.ttft for r in self.runs if r.round == i and r.ttft is not None] for i in rounds]
+            total = [[r.total for r in self.runs if r.round == i and r.outcome == "completed"] for i in rounds]
+            per_round = {
+                "TTFT p50": [pct(values, 50) for values in ttft],
+                "TTFT p95": [pct(values, 95) for values in ttft],
+                "total p50": [pct(values, 50) for values in total],
+                "total p95": [pct(values, 95) for values in total],
+            }
+            out.append(f"per round, min / median / max over {len(rounds)} rounds (s):")
+            out += [f"  {name}: {spread_of(values)}" for name, values in per_round.items()]
+        for engine, figures in self.engines.items():
+            out.append(f"engine {engine}: " + ", ".join(f"{k} {v}" for k, v in figures.items()))
+        if self.memory_kb:
+            mib = {k: f"{v / 1024:.0f} MiB" for k, v in self.memory_kb.items()}
+            out.append(
+                f"app memory ({len(self.engines)} engines in use by the load, built before it): VmRSS before the "
+                f"load {mib.get('before', '?')}, after {mib.get('after', '?')}; peak (VmHWM) {mib.get('peak', '?')}"
+            )
+        else:
+            out.append("app memory: not known (the app was not started by this tool)")
+        return out
+
+
+def _pair(values: list[float]) -> str:
+    if len(values) < 2:
+        return f"{values[0]:.2f} (one run)" if values else "n/a"
+    return f"{pct(values, 50):.2f} / {pct(values, 95):.2f}"
+
+
+# ----- the load ------------------------------------------------------------------------------------------------
+@dataclass
+class RunResult:
+    outcome: str  # completed / cancelled / busy / error (ended_by_other is decided by the caller)
+    ttft: float | None
+    total: float
+    error: str | None = None
+    warnings: list[str] = field(default_factory=list)  # gr.Warning / gr.Error messages the stream carried
+    outputs: tuple = ()  # the panels' final text (a completed run)
+
+
+def _call(client, timeout: float, *args, api_name: str, **kwargs):
+    """A non-streaming endpoint, bounded in time."""
+    job = client.submit(*args, api_name=api_name, **kwargs)
+    try:
+        return job.result(timeout=timeout)
+    except TimeoutError:
+        job.cancel()
+        raise TimeoutError(f"{api_name} did not answer within {timeout:.0f} s") from None
+
+
+def _move(client, visit: Visit, timeout: float) -> None:
+    """Put the client's session on the visit's engine, as the page does: the scenario, then the settings."""
+    status = _call(client, timeout, visit.scenario, api_name="/load_scenario")[-1]
+    if visit.custom:
+        from astrai.playground.backends.profiles import EMBEDDED_LABEL
+
+        status = _call(client, timeout, model=EMBEDDED_LABEL, **CUSTOM_SETTINGS, api_name="/apply_settings")[-1]
+    if not str(status).startswith("✅"):
+        raise RuntimeError(f"the move to {visit.group!r} was refused: {status}")
+
+
+def _drain_warnings(job) -> list[str]:
+    """The warning and error messages (``gr.Warning``, ``gr.Error``) a job's stream carried since the last call.
+    gradio_client keeps every status update of a job in ``communicator.updates`` (an unbounded queue it fills and
+    nothing else drains for a sync caller); a ``log`` update is a toast."""
+    updates = getattr(getattr(job, "communicator", None), "updates", None)
+    messages: list[str] = []
+    for _ in range(100_000 if updates is not None else 0):
+        try:
+            update = updates.get_nowait()
+        except Exception:  # asyncio.QueueEmpty
+            break
+        log = getattr(update, "log", None)
+        if log and log[1] in ("warning", "error"):
+            messages.append(str(log[0]))
+    return messages
+
+
+def one_run(client, args: dict, cancel: bool, timeout: float, panels: int = 4) -> RunResult:
+    """One /run: streamed until done, or cancelled at its first text when ``cancel``."""
+    started = time.monotonic()
+    ttft = None
+    warnings: list[str] = []
+    try:
+        job = client.submit(**args, api_name="/run")
+        deadline = started + timeout
+        while not job.done() and time.monotonic() < deadline:
+            warnings += _drain_warnings(job)
+            outputs = job.outputs()
+            if ttft is None and outputs and any(outputs[-1][:panels]):
+                ttft = time.monotonic() - started
+                if cancel:
+                    job.cancel()
+                    return RunResult("cancelled", ttft, time.monotonic() - started, warnings=warnings)
+            time.sleep(0.02)
+        if not job.done():
+            job.cancel()
+            return RunResult("error", ttft, time.monotonic() - started, "timed out", warnings)
+        final = job.result()
+        warnings += _drain_warnings(job)
+        if ttft is None and any(job.outputs()[-1][:panels]):
+            ttft = time.monotonic() - started
+        return RunResult("completed", ttft, time.monotonic() - started, None, warnings, tuple(final or ()))
+    except Exception as exc:
+        message = str(exc)
+        outcome = "busy" if "queue" in message.lower() and "full" in message.lower() else "error"
+        return RunResult(outcome, ttft, time.monotonic() - started, message[:200], warnings)
+
+
+def badge_trouble(badges: list, panels: int) -> str | None:
+    """Why /after_run's badges say a run's request did not end on its own (see the module's docstring), or None."""
+    for i, badge in enumerate(badges[:panels]):
+        text = str(badge or "")
+        if not text:
+            return f"panel {i + 1} has no badge (its engine no longer knows the request)"
+        words = [word for word in ENDED_WORDS if word in text]
+        if words:
+            return f"panel {i + 1}: {text[:160]}"
+    return None
+
+
+class _Stats:
+    """A session of the tool's own on one engine: reads /cache_stats there."""
+
+    def __init__(self, client, visit: Visit, timeout: float):
+        self.client, self.visit, self.timeout = client, visit, timeout
+        if visit.scenario is not None:
+            _move(client, visit, timeout)
+        self.before = self.read()
+
+    def read(self) -> dict:
+        return _call(self.client, self.timeout, api_name="/cache_stats")
 
 
 def run_load(
@@ -140,7 +480,13 @@ def run_load(
     cancel_rate: float = 0.25,
     seed: int = 0,
     job_timeout: float = 180.0,
+    spread: str | None = None,
+    custom: int | None = None,
+    app_pid: int | None = None,
+    call_timeout: float = 60.0,
 ) -> LoadReport:
+    """``clients`` users, ``rounds`` runs each (see the module's docstring); ``app_pid``: the server process, for its
+    memory. ``custom`` defaults to 1 with a spread, 0 without."""
     from gradio_client import Client
 
     report = LoadReport()
@@ -150,72 +496,127 @@ def run_load(
     # shares the server's two cores. One context, verification unchanged, for every request (``ssl_verify`` goes
     # to httpx's ``verify`` as it is, and httpx takes a context there).
     tls = ssl.create_default_context()
+    visits = spread_plan(clients, spread, (1 if spread else 0) if custom is None else custom)
+    report.clients = dict(Counter(visit.group for visit in visits))
+    report.config = (
+        f"{clients} users ({'spread ' + spread if spread else 'no spread'}, {sum(v.custom for v in visits)} on own "
+        f"settings), {rounds} rounds, max tokens {max_tokens}, cancel rate {cancel_rate}"
+    )
+    if spread is not None:
+        from astrai.playground.scenarios import FOLLOW_UP, SCENARIO_BY_NAME
 
-    def user(index: int) -> None:
+    def record(visit: Visit, round_: int, result: RunResult, ended: str | None = None) -> None:
+        outcome = "ended_by_other" if ended else result.outcome
+        with lock:
+            report.runs.append(RunRecord(visit.group, visit.engine, round_, outcome, result.ttft, result.total))
+            report.outcomes[outcome] += 1
+            if result.ttft is not None:
+                report.ttft.append(result.ttft)
+            if outcome == "completed":
+                report.total.append(result.total)
+            if outcome == "busy":
+                report.busy_answer_s.append(result.total)
+            if result.error and outcome == "error":
+                report.errors.append(f"{visit.group}: {result.error}")
+            if ended:
+                report.ended_by_other.append(f"{visit.group}, round {round_ + 1}: {ended}")
+
+    def user(index: int, visit: Visit) -> None:
         rng = random.Random(seed * 1000 + index)
-        client = Client(url, verbose=False, ssl_verify=tls)
-        for _ in range(rounds):
-            args = run_args(rng.sample(PROMPTS, 4), max_tokens)
-            outcome, ttft, total, error = one_run(client, args, rng.random() < cancel_rate, job_timeout)
-            with lock:
-                report.outcomes[outcome] += 1
-                if ttft is not None:
-                    report.ttft.append(ttft)
-                if outcome == "completed":
-                    report.total.append(total)
-                if outcome == "busy":
-                    report.busy_answer_s.append(total)
-                if error and outcome == "error":
-                    report.errors.append(error)
+        round_ = 0
+        try:
+            client = Client(url, verbose=False, ssl_verify=tls)
+            scenario = SCENARIO_BY_NAME[visit.scenario] if visit.scenario is not None else None
+            prompts = list(scenario.prompts) if scenario is not None else []
+            for round_ in range(rounds):
+                if scenario is None:
+                    args = run_args(rng.sample(PROMPTS, 4), max_tokens)
+                else:
+                    started = time.monotonic()
+                    try:
+                        _move(client, visit, call_timeout)
+                    except Exception as exc:  # refused, or no answer: this round's run is not sent
+                        record(visit, round_, RunResult("error", None, time.monotonic() - started, str(exc)[:200]))
+                        continue
+                    args = run_args(prompts, min(scenario.max_tokens, max_tokens), scenario.prefix)
+                cancel = rng.random() < cancel_rate
+                result = one_run(client, args, cancel, job_timeout, args["n_panels"])
+                ended = None
+                if result.outcome == "completed" and result.warnings:
+                    ended = f"the stream warned: {result.warnings[0][:160]}"
+                if scenario is not None and result.outcome in ("completed", "cancelled"):
+                    try:  # the browser chains it after every run, stopped or not
+                        badges = _call(client, call_timeout, api_name="/after_run")[:6]
+                    except Exception as exc:
+                        record(visit, round_, RunResult("error", result.ttft, result.total, f"/after_run: {exc}"))
+                        continue
+                    if result.outcome == "completed" and ended is None:
+                        ended = badge_trouble(list(badges), args["n_panels"])
+                record(visit, round_, result, ended)
+                if scenario is not None and scenario.name == "Follow-up turn":  # the next turn, as the button does
+                    answers = result.outputs[: len(prompts)] if result.outcome == "completed" and not ended else ()
+                    turns = [p + str(a) + FOLLOW_UP for p, a in zip(prompts, answers, strict=False) if a]
+                    fits = len(turns) == len(prompts) and all(
+                        len(scenario.prefix + t) <= MAX_PROMPT_CHARS for t in turns
+                    )
+                    prompts = turns if fits else list(scenario.prompts)
+        except Exception as exc:  # the client itself failed: the rounds it did not finish count as errors
+            for missed in range(round_, rounds):
+                record(visit, missed, RunResult("error", None, 0.0, f"client failed: {exc}"[:200]))
 
-    stats_client = Client(url, verbose=False, ssl_verify=tls)
-    generated_before = stats_client.predict(api_name="/cache_stats").get("generated_tokens")  # None: older apps
+    engine_visits: dict[str, Visit] = {}
+    for visit in visits:  # one stats session per engine, on a visit that leads there
+        engine_visits.setdefault(visit.engine, Visit(visit.scenario, visit.custom))
+    stats_clients = {}
+    for engine, visit in engine_visits.items():
+        try:
+            stats_clients[engine] = _Stats(Client(url, verbose=False, ssl_verify=tls), visit, call_timeout)
+        except Exception as exc:
+            report.errors.append(f"stats session on {engine}: {exc}"[:200])
+    if app_pid is not None:
+        report.memory_kb["before"] = process_memory_kb(app_pid).get("VmRSS", 0)
     started = time.monotonic()
-    threads = [threading.Thread(target=user, args=(i,), daemon=True) for i in range(clients)]
+    threads = [threading.Thread(target=user, args=(i, v), daemon=True) for i, v in enumerate(visits)]
     for t in threads:
         t.start()
+    deadline = started + (job_timeout + 3 * call_timeout) * rounds + 60
     for t in threads:
-        t.join(timeout=job_timeout * rounds + 60)
+        t.join(timeout=max(deadline - time.monotonic(), 0.1))
     report.outcomes["hung"] += sum(t.is_alive() for t in threads)
     report.seconds = time.monotonic() - started
-    if generated_before is not None:
-        generated = stats_client.predict(api_name="/cache_stats")["generated_tokens"] - generated_before
+    generated = 0
+    for engine, stats in stats_clients.items():
+        try:
+            after = stats.read()
+        except Exception as exc:
+            report.errors.append(f"stats of {engine}: {exc}"[:200])
+            continue
+        tokens = None
+        if stats.before.get("generated_tokens") is not None:  # None: older apps
+            tokens = after["generated_tokens"] - stats.before["generated_tokens"]
+            generated += tokens
+        failed = after.get("failed", 0) - stats.before.get("failed", 0)
+        report.engines[engine] = {"generated tokens": tokens, "failed requests": failed}
+    if any(figures["generated tokens"] is not None for figures in report.engines.values()):
         report.tokens_per_s = generated / report.seconds
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # cancelled runs release their pages at the engine's next step
-        report.used_pages_after = stats_client.predict(api_name="/cache_stats")["used_pages"]
-        if report.used_pages_after == 0:
-            break
-        time.sleep(0.2)
+    pending = dict(stats_clients)
+    while pending and time.monotonic() < deadline:  # cancelled runs release their pages at the engine's next step
+        for engine, stats in list(pending.items()):
+            with contextlib.suppress(Exception):
+                used = stats.read()["used_pages"]
+                report.engines[engine]["used pages after"] = used
+                if used == 0:
+                    del pending[engine]
+        if pending:
+            time.sleep(0.2)
+    report.used_pages_after = max(
+        (figures.get("used pages after", -1) for figures in report.engines.values()), default=-1
+    )
+    if app_pid is not None:
+        memory = process_memory_kb(app_pid)
+        report.memory_kb |= {"after": memory.get("VmRSS", 0), "peak": memory.get("VmHWM", 0)}
     return report
-
-
-def one_run(client, args: dict, cancel: bool, timeout: float) -> tuple[str, float | None, float, str | None]:
-    """Returns (outcome, time to first text, total time, error message)."""
-    started = time.monotonic()
-    ttft = None
-    try:
-        job = client.submit(**args, api_name="/run")
-        deadline = started + timeout
-        while not job.done() and time.monotonic() < deadline:
-            outputs = job.outputs()
-            if ttft is None and outputs and any(outputs[-1][:4]):
-                ttft = time.monotonic() - started
-                if cancel:
-                    job.cancel()
-                    return "cancelled", ttft, time.monotonic() - started, None
-            time.sleep(0.02)
-        if not job.done():
-            job.cancel()
-            return "error", ttft, time.monotonic() - started, "timed out"
-        job.result()
-        if ttft is None and any(job.outputs()[-1][:4]):
-            ttft = time.monotonic() - started
-        return "completed", ttft, time.monotonic() - started, None
-    except Exception as exc:
-        message = str(exc)
-        outcome = "busy" if "queue" in message.lower() and "full" in message.lower() else "error"
-        return outcome, ttft, time.monotonic() - started, message[:200]
 
 
 def main() -> None:
@@ -223,12 +624,23 @@ def main() -> None:
     parser.add_argument("--url", help="a running playground; by default app.py is started on loopback")
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=48, help="a cap on every scenario's max tokens")
+    parser.add_argument("--cancel-rate", type=float, default=0.25, help="the share of runs cancelled mid-stream")
+    parser.add_argument(
+        "--spread",
+        nargs="?",
+        const="weighted",
+        choices=SPREADS,
+        help="spread the users over the scenarios (weighted when given alone; see above)",
+    )
+    parser.add_argument("--custom", type=int, default=None, help="users on their own Engine settings (--spread: 1)")
     parser.add_argument("--queue-size", type=int, default=None, help="ASTRAI_QUEUE_SIZE for the started app")
     parser.add_argument("--max-batch", type=int, default=None, help="ASTRAI_MAX_BATCH_SIZE for the started app")
     parser.add_argument("--concurrency", type=int, default=None, help="ASTRAI_RUN_CONCURRENCY for the started app")
     parser.add_argument("--app", type=Path, default=APP, help="the app.py to start (another checkout's, say)")
     args = parser.parse_args()
+    if args.custom and not args.spread:
+        parser.error("--custom needs --spread")
     knobs = {
         "ASTRAI_QUEUE_SIZE": args.queue_size,
         "ASTRAI_MAX_BATCH_SIZE": args.max_batch,
@@ -236,10 +648,21 @@ def main() -> None:
     }
     env = {name: str(value) for name, value in knobs.items() if value is not None}
     with contextlib.ExitStack() as stack:
-        url = args.url or stack.enter_context(launch_app(env, app=args.app))
-        report = run_load(url, args.clients, args.rounds, args.max_tokens)
+        launched = None if args.url else stack.enter_context(start_app(env, app=args.app))
+        report = run_load(
+            args.url or launched.url,
+            args.clients,
+            args.rounds,
+            args.max_tokens,
+            args.cancel_rate,
+            spread=args.spread,
+            custom=args.custom,
+            app_pid=None if launched is None else launched.pid,
+        )
     for key, value in report.summary().items():
         print(f"{key}: {value}")
+    for line in report.lines():
+        print(line)
 
 
 if __name__ == "__main__":
