@@ -23,7 +23,7 @@ class LocalRun:
         try:
             yield from self._stream
         except EngineClosedError as exc:
-            raise BackendUnavailable(f"The engine was rebuilt or stopped, so this run ended early ({exc}).") from exc
+            raise BackendUnavailable(f"The engine stopped, so this run ended early ({exc}).") from exc
         except RequestFailedError as exc:
             raise RunFailed(str(exc)) from exc
 

@@ -43,9 +43,8 @@ CAPTIONS = {
 }
 INTRO = (
     "### AstrAI playground: watch a KV cache reuse work\n"
-    "Prompts run as **one batch** through a paged KV cache with a **prefix cache**: full pages are keyed by a chained "
-    "hash of their tokens, and a request that starts with the same tokens reuses them. Each scenario runs on its own "
-    "engine, shared with the other visitors on it (their text stays hidden)."
+    "Prompts run as **one batch** through a paged KV cache; full pages are keyed by a chained hash of their tokens, "
+    "so prompts that start alike reuse them."
 )
 
 
@@ -73,17 +72,17 @@ def build_layout(default: Profile, model_choices: list[str], chooses_pools: bool
                     compare=gr.Button("Compare with caching off", elem_id="compare_btn", min_width=180),
                     clear=gr.Button("Clear cache", elem_id="clear_btn", min_width=100),
                 )
-            note = gr.Markdown(lesson_note(0), elem_id="scenario_note")
             shared_prefix = gr.Textbox(
                 first.prefix,
                 label="Shared prefix (a system prompt before every panel's prompt)",
                 lines=1,
-                max_lines=3,
+                max_lines=2,
                 max_length=MAX_PROMPT_CHARS,
                 elem_id="prefix",
             )
             panels = _panels(first.prompts)
         with gr.Column(scale=2, min_width=420):
+            note = gr.Markdown(lesson_note(0), elem_id="scenario_note")  # beside the views it points at
             page_map = gr.Plot(elem_id="page_map", show_label=False)
             occupancy = gr.Plot(elem_id="plot_0", show_label=False)
             stats = gr.Markdown(elem_id="stats")

@@ -1,0 +1,72 @@
+"""Two engines on one model, busy at once: ``python -m benchmarks.shared_engines [--rounds 3]``.
+
+The playground runs one engine per profile over one loaded model; two visitors on two profiles make two engines
+busy at once. Their forwards take turns (one prepared model, one forward at a time), so together they can at best
+do the same work in the same time as one after the other. This measures how close they come: per round, the wall
+time of each engine's batch alone, then of both batches submitted at once from two threads, and the ratio of the
+second to the sum of the first two (1.0: no cost to sharing; above: overhead, such as OpenMP pools of two threads
+throttling each other). Rounds interleave the three runs in one process; the CPU is named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+from pathlib import Path
+
+from astrai import InferenceEngine, load_checkpoint
+
+MODEL = Path(__file__).resolve().parents[1] / "assets" / "models" / "tinystories-llama"  # the embedded model
+PROMPTS = ["Once upon a time there was", "The little dog ran to", "Lily wanted to bake a", "Ben found a shiny"]
+
+
+def cpu_name() -> str:
+    info = Path("/proc/cpuinfo").read_text()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line for line in info.splitlines() if line.startswith("flags")), "")
+    return f"{name} (AVX-512: {'avx512f' in flags.split()}, AMX: {'amx_tile' in flags.split()})"
+
+
+def timed(engine: InferenceEngine, max_tokens: int) -> float:
+    engine.clear()
+    started = time.perf_counter()
+    engine.generate(PROMPTS, max_tokens=max_tokens)
+    return time.perf_counter() - started
+
+
+def both(a: InferenceEngine, b: InferenceEngine, max_tokens: int) -> float:
+    started = time.perf_counter()
+    threads = [threading.Thread(target=timed, args=(engine, max_tokens)) for engine in (a, b)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    args = parser.parse_args()
+    model, tokenizer = load_checkpoint(str(MODEL))
+    a = InferenceEngine(model, tokenizer, page_size=16, n_pages=1024, max_batch_size=64)
+    b = InferenceEngine(model, tokenizer, page_size=16, n_pages=40, max_batch_size=8)
+    print(f"CPU: {cpu_name()}; {len(PROMPTS)} prompts x {args.max_tokens} tokens on each engine, greedy")
+    timed(a, 8), timed(b, 8)  # warm-up
+    ratios = []
+    for round_ in range(1, args.rounds + 1):
+        alone_a, alone_b = timed(a, args.max_tokens), timed(b, args.max_tokens)
+        together = both(a, b, args.max_tokens)
+        ratios.append(together / (alone_a + alone_b))
+        print(f"round {round_}: A alone {alone_a:.2f} s, B alone {alone_b:.2f} s, both at once {together:.2f} s, "
+              f"ratio {ratios[-1]:.2f}")
+    print(f"ratio (both at once / one after the other): min {min(ratios):.2f} / median "
+          f"{statistics.median(ratios):.2f} / max {max(ratios):.2f}")
+    a.shutdown(), b.shutdown()
+
+
+if __name__ == "__main__":
+    main()
