@@ -21,7 +21,7 @@ Two ways to fill the panels:
   ``CUSTOM_SETTINGS``: an engine of their own). Figures are given per scenario (and engine), and overall.
 
 A run is **ended by another visitor** when its own client did not cancel it and /run returned without an error,
-and yet (a) the run's stream carried a warning (``gr.Warning``: the app's "The engine was rebuilt or stopped, so
+and yet (a) the run's stream carried a warning (``gr.Warning``: the app's "The engine stopped, so
 this run ended early", or a failed request), or (b) with ``--spread``, the ``/after_run`` badge of one of its panels
 says "cancelled" or "failed" (the request's status), or is empty (the engine no longer knows the request: it was
 retired or replaced). Nothing the client does can cause either, so every such run was cut short by something

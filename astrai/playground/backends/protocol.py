@@ -40,7 +40,7 @@ class BackendError(RuntimeError):
 
 
 class BackendUnavailable(BackendError):
-    """The cache behind the backend went away: the engine was rebuilt or stopped, or the server is down."""
+    """The cache behind the backend went away: the engine stopped, or the server is down."""
 
 
 class EngineLimitReached(BackendError):
