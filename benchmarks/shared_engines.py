@@ -61,10 +61,14 @@ def main() -> None:
         alone_a, alone_b = timed(a, args.max_tokens), timed(b, args.max_tokens)
         together = both(a, b, args.max_tokens)
         ratios.append(together / (alone_a + alone_b))
-        print(f"round {round_}: A alone {alone_a:.2f} s, B alone {alone_b:.2f} s, both at once {together:.2f} s, "
-              f"ratio {ratios[-1]:.2f}")
-    print(f"ratio (both at once / one after the other): min {min(ratios):.2f} / median "
-          f"{statistics.median(ratios):.2f} / max {max(ratios):.2f}")
+        print(
+            f"round {round_}: A alone {alone_a:.2f} s, B alone {alone_b:.2f} s, both at once {together:.2f} s, "
+            f"ratio {ratios[-1]:.2f}"
+        )
+    print(
+        f"ratio (both at once / one after the other): min {min(ratios):.2f} / median "
+        f"{statistics.median(ratios):.2f} / max {max(ratios):.2f}"
+    )
     a.shutdown(), b.shutdown()
 
 
