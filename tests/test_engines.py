@@ -17,6 +17,7 @@ from astrai.playground.backends.profiles import (
 )
 from astrai.playground.backends.protocol import BackendError, EngineLimitReached
 from astrai.sampling import SamplingParams
+from tests.support.waiting import wait_until
 
 SMALL = Profile(settings=EngineSettings(n_pages=40, max_batch_size=8), name="small")
 TINY = Profile(settings=EngineSettings(n_pages=16, max_batch_size=4), name="tiny")
@@ -109,3 +110,12 @@ def test_a_failed_build_leaves_everything_serving(engines):
     with pytest.raises(ValueError, match="pool size"):
         engines.ensure(Profile(settings=EngineSettings(n_pages=5), name="bad"))
     assert engines.built() == [DEFAULT_PROFILE]
+
+
+def test_the_lessons_profiles_are_built_in_the_background_at_start():
+    engines = LocalEngines(preload=(SMALL, TINY), idle_retire_s=3600)
+    try:
+        assert DEFAULT_PROFILE in engines.built(), "the default engine is built before the constructor returns"
+        assert wait_until(lambda: set(engines.built()) == {DEFAULT_PROFILE, SMALL, TINY}, timeout=60)
+    finally:
+        engines.shutdown()
