@@ -20,6 +20,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from astrai.attention import ATTN_IMPLEMENTATION, PagedBatch, build_paged_batch, serving
+from astrai.model_thread import ModelThread
 from astrai.packed_linear import pack_linears, packing_supported, unpack_linears
 from astrai.paged_kernel import DecodeKernel, load_decode_kernel
 from astrai.request import Request
@@ -100,16 +101,18 @@ class PreparedModel:
       layers, the decode kernel choice, the compiled forward) is made by the first ``acquire`` and undone by the last
       ``release``, both under the module's ``_prepared_lock``, which also guards the registry of prepared models and
       each one's count of users. Between the two it is read-only: no engine changes the model while another uses it.
-    * The **forward** is serialised by ``forward_lock``, one per prepared model: every model call of every engine
-      sharing it holds it, for that call only. The packed layers' ``FusedProduct`` keeps per-call state and a
-      compiled graph is not safe for two threads at once; on a machine of few cores two concurrent forwards would
-      not be faster anyway (each already runs on every core). Engines sharing a model thus take turns at the forward
-      and at nothing else: each schedules, builds its paged batch and samples on its own loop thread.
+    * The **forward** holds ``forward_lock``, and while several engines share the model it runs on the prepared
+      model's own ``ModelThread`` (``model_thread.py``), for each of them, one at a time: the packed layers'
+      ``FusedProduct`` keeps per-call state, a compiled graph is not safe for two threads at once, and one thread
+      keeps one OpenMP pool (two pools throttle each other). On a machine of few cores two concurrent forwards would
+      not be faster anyway (each already runs on every core).
+      Engines sharing a model thus take turns at the forward and at nothing else: each schedules and samples on its
+      own loop thread.
     * The **KV tensors** are not here: each engine's ``ModelRunner`` owns its own, written only by forwards of that
       engine (the paged batch reaches attention through the ``serving`` ContextVar of the thread calling the model).
 
-    ``_prepared_lock`` is never taken while ``forward_lock`` is held, nor the other way round: the last release
-    happens once no engine is left to call a forward.
+    ``_prepared_lock`` is never taken on the model thread: the last release, which stops it, happens once no engine
+    is left to call a forward.
     """
 
     def __init__(self, model: PreTrainedModel, preparation: Preparation):
@@ -122,7 +125,6 @@ class PreparedModel:
         self.model = model
         self.preparation = preparation
         self.groups = heads // kv_heads
-        self.forward_lock = threading.Lock()
         self.users = 0
         kernel = load_decode_kernel() if preparation.attention_kernel else None
         self.decode_kernel: DecodeKernel | None = (
@@ -137,6 +139,8 @@ class PreparedModel:
         self.packed_linears = self._pack() if pack else 0
         # eager steps call the model itself (so a wrapper put on its forward later, as the soak's faults, still runs)
         self.compiled = torch.compile(model.forward, dynamic=True) if preparation.compile else None
+        self.forward_lock = threading.Lock()
+        self.thread = ModelThread(f"astrai-model-{id(model):x}")  # last: nothing above can fail and leave it running
 
     @staticmethod
     def check(model: PreTrainedModel, preparation: Preparation) -> None:
@@ -179,26 +183,40 @@ class PreparedModel:
             tensor.data = original
         self.original_tensors = []
         self.compiled = None
+        self.thread.stop()
         self.model.train(self.was_training)
         self.model.set_attn_implementation(self.previous_attn)
 
     def forward(
         self, batch: PagedBatch, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor
     ) -> torch.Tensor:
-        """The model over one engine's step (``batch`` in that engine's KV tensors), under ``forward_lock``."""
-        with self.forward_lock:
-            forward, freezing = self.model, contextlib.nullcontext()
-            if self.compiled is not None:
-                # freezing is patched in around the call rather than passed as torch.compile's option, which left
-                # every weight a graph input here (torch 2.13): unpacked, and refused by the packed layers' op
-                forward, freezing = self.compiled, torch._inductor.config.patch(freezing=True)
-                # unbacked: a step of one token (or one sampled row) must not get a graph of its own, as a size of 1
-                # otherwise would; one graph then serves every step
-                for tensor, dim in ((tokens, 1), (positions, 1), (rows, 0)):
-                    torch._dynamo.decorators.mark_unbacked(tensor, dim)
-            with serving(batch), freezing:
-                out = forward(input_ids=tokens, position_ids=positions, use_cache=False, logits_to_keep=rows)
-            return out.logits[0]
+        """The model over one engine's step (``batch`` in that engine's KV tensors): on the calling loop thread while
+        one engine uses the model (no hand-off), on the model thread while several do (one OpenMP pool). Either way
+        under ``forward_lock``, so a forward started on one path never overlaps one on the other while the count
+        of users changes."""
+
+        def run() -> torch.Tensor:
+            with self.forward_lock:
+                return self._forward(batch, tokens, positions, rows)
+
+        return run() if self.users == 1 else self.thread.call(run)
+
+    @torch.inference_mode()
+    def _forward(
+        self, batch: PagedBatch, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor
+    ) -> torch.Tensor:
+        forward, freezing = self.model, contextlib.nullcontext()
+        if self.compiled is not None:
+            # freezing is patched in around the call rather than passed as torch.compile's option, which left
+            # every weight a graph input here (torch 2.13): unpacked, and refused by the packed layers' op
+            forward, freezing = self.compiled, torch._inductor.config.patch(freezing=True)
+            # unbacked: a step of one token (or one sampled row) must not get a graph of its own, as a size of 1
+            # otherwise would; one graph then serves every step
+            for tensor, dim in ((tokens, 1), (positions, 1), (rows, 0)):
+                torch._dynamo.decorators.mark_unbacked(tensor, dim)
+        with serving(batch), freezing:
+            out = forward(input_ids=tokens, position_ids=positions, use_cache=False, logits_to_keep=rows)
+        return out.logits[0]
 
 
 def _check_locked(model: PreTrainedModel, preparation: Preparation) -> PreparedModel | None:
@@ -225,7 +243,7 @@ class ModelRunner:
     """One engine's runner: its own KV tensors, over a ``PreparedModel`` it may share with other engines.
 
     The engine's loop thread is the only one to call ``step`` and ``release``; ``step`` builds the paged batch on
-    that thread and runs the forward under the prepared model's ``forward_lock``.
+    that thread and runs the forward on the prepared model's thread.
     """
 
     def __init__(

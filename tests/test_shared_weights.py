@@ -1,7 +1,7 @@
 """Several engines over one model object share its prepared weights; each has its own pool and KV tensors.
 
-The forwards of engines sharing a model are serialised by the prepared model's lock (``PreparedModel`` in
-``astrai/model_runner.py``); the last engine to shut down gives the model back as it came.
+The forwards of engines sharing a model are serialised (``PreparedModel`` in ``astrai/model_runner.py``) and, while
+several share it, run on its one model thread; the last engine to shut down gives the model back as it came.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def test_forwards_of_engines_sharing_a_model_never_overlap(tokenizer, monkeypatc
             first_call = calls[0] == 1
             inside[0] += 1
             most_inside[0] = max(most_inside[0], inside[0])
-        if not first_call and threading.current_thread() is second._thread:
+        if not first_call:  # engines sharing a model forward on its thread: the second call is the other engine's
             second_forwarding.set()
         try:
             if first_call:
@@ -120,6 +120,29 @@ def test_forwards_of_engines_sharing_a_model_never_overlap(tokenizer, monkeypatc
         assert "".join(text) and "".join(other)
     assert second_stepping.is_set() and second_forwarding.is_set()
     assert most_inside[0] == 1, "two engines ran the shared model at once"
+
+
+def test_engines_sharing_a_model_forward_on_one_thread(tokenizer, monkeypatch):
+    """One thread, one OpenMP pool: two busy engines forwarding on their own loop threads made two pools that
+    throttled each other (their batches took 1.5-2.5x as long as one after the other)."""
+    model, _ = fresh_model("llama", tokenizer)
+    real_forward, threads = model.forward, set()
+
+    def forward(*args, **kwargs):
+        threads.add(threading.current_thread().name)
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", forward)
+    with (
+        InferenceEngine(model, tokenizer, **PROFILES[0]) as first,
+        InferenceEngine(model, tokenizer, **PROFILES[1]) as second,
+    ):
+        streams = [engine.generate(PROMPTS[:2], max_tokens=8, stream=True) for engine in (first, second)]
+        assert all(list(stream) for stream in streams)
+        assert len(threads) == 1 and threads.pop().startswith("astrai-model-"), threads
+    with InferenceEngine(model, tokenizer, **PROFILES[0]) as alone:
+        alone.generate(PROMPTS[0], max_tokens=2)
+        assert threads == {"astrai-engine"}, "one engine alone forwards on its own loop thread (no hand-off)"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
