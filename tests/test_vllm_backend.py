@@ -24,9 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -35,8 +33,8 @@ import pytest
 from astrai.observation import CacheCleared, PageStored
 from astrai.playground.backends.vllm.encoding import END_SEQ, AllBlocksCleared, decode_batch, parse_frames
 from astrai.playground.backends.vllm.metrics import parse_metrics
-from astrai.playground.backends.vllm.tracker import BlockTracker
 from tests.support import fake_vllm
+from tests.support.fake_kv import StubSubscriber
 from tests.support.waiting import wait_until
 from tools import loadtest
 from tools.loadtest import launch_app
@@ -51,37 +49,11 @@ WAIT_FOR_SERVER_S = float(os.environ.get("ASTRAI_VLLM_WAIT_S", 420))  # .ci/run 
 # --- recorded events through the backend (no server) ---------------------------------------------------------
 
 
-class StubSubscriber:
-    """Stands in for KvEventSubscriber: the test feeds its tracker."""
-
-    def __init__(self) -> None:
-        self.tracker = BlockTracker()
-        self.resyncs = 0
-
-    def start(self) -> None: ...
-
-    def stop(self) -> None: ...
-
-    def resync(self) -> None:
-        self.resyncs += 1
-
-    def status(self) -> dict:
-        return {}
-
-    def snapshot(self):
-        return self.tracker.snapshot()
-
-
 @pytest.fixture
 def fake_http():
     """The fake vLLM's HTTP side, in this process (for backends whose events a test feeds by hand)."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), fake_vllm.Handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with fake_vllm.serve() as (url, _):
+        yield url
 
 
 def recorded_batches(name: str):

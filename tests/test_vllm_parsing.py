@@ -27,6 +27,7 @@ from astrai.playground.backends.vllm.encoding import (
 from astrai.playground.backends.vllm.metrics import MetricsParseError, VllmMetrics, parse_metrics
 from astrai.playground.backends.vllm.subscriber import KvEventSubscriber, replay_frames
 from astrai.playground.backends.vllm.tracker import BlockTracker, SeqStatus
+from tests.support.fake_kv import FakePublisher
 
 DATA = Path(__file__).parent / "data" / "vllm"
 POOL_BLOCKS_EVICT = 20  # --num-gpu-blocks-override of the eviction recording; vLLM keeps one as its null block
@@ -444,69 +445,6 @@ def test_data_parallel_ranks_publish_separately():
 
 
 # --- the subscriber, against a fake publisher that speaks vLLM's protocol -----------------------------------------
-
-
-class FakePublisher:
-    """PUB + ROUTER like vllm.distributed.kv_events.ZmqEventPublisher: publishes recorded payloads with its own
-    seq from 0, keeps them for replay, answers (b"", start_seq) with (b"", topic, seq, payload)... then END."""
-
-    def __init__(self, tmp_path: Path, name: str = "kv") -> None:
-        import zmq
-
-        self.endpoint = f"ipc://{tmp_path}/{name}.sock"
-        self.replay_endpoint = f"ipc://{tmp_path}/{name}-replay.sock"
-        self.ctx = zmq.Context()
-        self.lock = threading.Lock()
-        self.stopping = threading.Event()
-        self._open()
-        self.thread = threading.Thread(target=self._serve_replay, daemon=True)
-        self.thread.start()
-
-    def _open(self) -> None:
-        import zmq
-
-        self.pub = self.ctx.socket(zmq.PUB)
-        self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.bind(self.endpoint)
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 0)
-        self.router.bind(self.replay_endpoint)
-        self.seq = 0
-        self.buffer: list[tuple[int, bytes]] = []
-
-    def restart(self) -> None:
-        """A new server: sockets closed and bound again, seq from 0, empty buffer."""
-        with self.lock:
-            self.pub.close(linger=0)
-            self.router.close(linger=0)
-            time.sleep(0.1)
-            self._open()
-
-    def publish(self, payload: bytes) -> None:
-        with self.lock:
-            seq_bytes = self.seq.to_bytes(8, "big")
-            self.pub.send_multipart([b"kv-events", seq_bytes, payload])
-            self.buffer.append((self.seq, payload))
-            self.seq += 1
-
-    def _serve_replay(self) -> None:
-        while not self.stopping.is_set():
-            with self.lock:
-                if self.router.poll(0):
-                    client, _, start = self.router.recv_multipart()
-                    start_seq = int.from_bytes(start, "big")
-                    for seq, payload in self.buffer:
-                        if seq >= start_seq:
-                            self.router.send_multipart([client, b"", b"kv-events", seq.to_bytes(8, "big"), payload])
-                    self.router.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
-            time.sleep(0.01)
-
-    def close(self) -> None:
-        self.stopping.set()
-        self.thread.join(2)
-        self.pub.close(linger=0)
-        self.router.close(linger=0)
-        self.ctx.term()
 
 
 def payloads(name: str) -> list[bytes]:

@@ -3,17 +3,24 @@
 A real vLLM server takes about a minute to start on 2 cores, so the tests that kill a server mid-run and start it
 again use this one (stdlib only; it starts in well under a second). It serves what ``VllmBackend`` reads:
 ``/health``, ``/v1/models`` (the embedded model's directory as ``root``, so the app loads the same tokenizer),
-``/metrics`` (a recorded payload of the real server, tests/data/vllm/metrics_before.txt) and streaming
+``/metrics`` (a recorded payload of the real server, tests/data/vllm/metrics_before.txt, with this process's own
+``process_start_time_seconds``, so that a restarted fake is seen as one) and streaming
 ``/v1/completions`` as vLLM sends them (SSE ``data:`` lines, ``token_ids``, a final usage chunk, ``[DONE]``), one
 token every ``--delay`` seconds, so a test can kill it mid-stream.
+
+In-process (``serve()``), each server gets a ``Handler`` subclass of its own whose class attributes a test sets:
+how ``/metrics`` answers (``metrics_text``, ``metrics_status``, ``metrics_delay``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import re
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -21,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / "assets" / "models" / "tinystories-llama"
 METRICS = ROOT / "tests" / "data" / "vllm" / "metrics_before.txt"
 MODEL = "tinystories-llama"  # the recorded metrics carry this model_name
+STARTED = time.time()  # this process's start, as its /metrics says
 WORDS = ["Once", " upon", " a", " time", ",", " there", " was", " a", " little", " dog", "."]
 
 
@@ -29,6 +37,9 @@ class Handler(BaseHTTPRequestHandler):
     delay = 0.05
     counts = {"active": 0, "finished": 0, "aborted": 0}  # GET /fake/stats: what happened to the streams
     lock = threading.Lock()
+    metrics_text: str | None = None  # None: the recorded payload with this process's start time
+    metrics_status = 200
+    metrics_delay = 0.0  # seconds before /metrics answers
 
     def log_message(self, *args) -> None:  # quiet
         pass
@@ -50,7 +61,9 @@ class Handler(BaseHTTPRequestHandler):
             with self.lock:
                 self._send(200, json.dumps(self.counts).encode())
         elif self.path == "/metrics":
-            self._send(200, METRICS.read_bytes(), "text/plain; version=0.0.4")
+            time.sleep(self.metrics_delay)
+            text = self.metrics_text if self.metrics_text is not None else recorded_metrics(STARTED)
+            self._send(self.metrics_status, text.encode(), "text/plain; version=0.0.4")
         else:
             self._send(404, b'{"error": "not found"}')
 
@@ -97,6 +110,27 @@ class Handler(BaseHTTPRequestHandler):
     def _event(self, data: dict) -> None:
         self.wfile.write(b"data: " + json.dumps(data).encode() + b"\n\n")
         self.wfile.flush()
+
+
+def recorded_metrics(started: float) -> str:
+    """The recorded /metrics payload, as a server started at ``started`` would send it."""
+    text = METRICS.read_text()
+    return re.sub(r"^process_start_time_seconds .*$", f"process_start_time_seconds {started}", text, flags=re.M)
+
+
+@contextlib.contextmanager
+def serve() -> Iterator[tuple[str, type[Handler]]]:
+    """A fake in this process, on a free port: ``(its URL, its own Handler subclass)``."""
+    handler = type("FakeHandler", (Handler,), {"counts": dict(Handler.counts)})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", handler
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def main() -> None:

@@ -7,8 +7,8 @@ Here: the connection (the served model from ``/v1/models``; its tokenizer, or th
 
 Every HTTP call has a timeout; nothing here can hang the app. Faults: a server that is down, restarting or
 answering errors fails each panel with a message saying so; the sampler notices, ``stats()`` raises
-``BackendUnavailable`` (the UI says "backend unreachable"), and when the server answers again ``generation`` grows
-and the event subscriber replays from the start: no app restart.
+``BackendUnavailable`` (the UI says "backend unreachable"), and when the server answers again as another process
+(a restart, by ``/metrics``), ``generation`` grows and the event subscriber replays from the start: no app restart.
 
 One lock (``_lock``) guards the requests, their outcomes and all the sampler keeps, for every thread.
 """

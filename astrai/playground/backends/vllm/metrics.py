@@ -13,13 +13,15 @@ Series used (vLLM 0.32; the ``gpu_`` names are the older spellings of the same s
 - ``vllm:num_preemptions_total`` (counter);
 - ``vllm:num_requests_running`` / ``vllm:num_requests_waiting`` (gauges);
 - ``vllm:cache_config_info`` (an info gauge whose labels carry ``block_size``, ``num_gpu_blocks`` and
-  ``enable_prefix_caching``).
+  ``enable_prefix_caching``);
+- ``process_start_time_seconds`` (the API server process's start, from ``prometheus_client``'s process collector):
+  the evidence of a restart, with the counters going back where it is absent (:meth:`VllmMetrics.restarted_since`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -34,6 +36,8 @@ _SAMPLES: dict[str, tuple[str, ...]] = {
     "waiting": ("vllm:num_requests_waiting",),
 }
 _CACHE_CONFIG = "vllm:cache_config_info"
+_PROCESS_START = "process_start_time_seconds"
+_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "preemptions")
 _NO_RANK = ""  # a series without an `engine` label
 
 
@@ -76,6 +80,7 @@ class VllmMetrics:
     prefix_caching: bool | None = None  # every rank's ``enable_prefix_caching``; None when not reported
     ranks: Mapping[str, RankMetrics] = field(default_factory=lambda: MappingProxyType({}))
     model_names: frozenset[str] = frozenset()
+    process_start: float | None = None  # ``process_start_time_seconds``: changes when the server restarts
 
     @property
     def hit_rate(self) -> float | None:
@@ -94,6 +99,18 @@ class VllmMetrics:
         if hits < 0 or queries <= 0:
             return None
         return hits / queries
+
+    def restarted_since(self, earlier: VllmMetrics) -> bool:
+        """Whether the server restarted between ``earlier`` and this scrape, on evidence only: its process start
+        time changed, or (where either scrape lacks it) a counter went back. A slow or failed scrape in between is
+        no evidence."""
+        if self.process_start is not None and earlier.process_start is not None:
+            return self.process_start != earlier.process_start
+        for name in _COUNTERS:
+            now, before = getattr(self, name), getattr(earlier, name)
+            if now is not None and before is not None and now < before:
+                return True
+        return False
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:
@@ -130,8 +147,11 @@ def parse_metrics(text: str, model_name: str | None = None) -> VllmMetrics:
     found: dict[str, dict[str, tuple[int, float]]] = {}
     pools: dict[str, tuple[int | None, int | None, bool | None]] = {}
     model_names: set[str] = set()
+    process_start: float | None = None
     try:
         for family in text_string_to_metric_families(text):
+            if family.name == _PROCESS_START and family.samples:
+                process_start = family.samples[0].value
             if not family.name.startswith("vllm:"):
                 continue
             for sample in family.samples:
@@ -172,7 +192,7 @@ def parse_metrics(text: str, model_name: str | None = None) -> VllmMetrics:
         ranks[rank] = RankMetrics(
             engine=rank, num_blocks=num_blocks, block_size=block_size, prefix_caching=caching, **values
         )
-    return _totals(ranks, frozenset(model_names))
+    return replace(_totals(ranks, frozenset(model_names)), process_start=process_start)
 
 
 def _rank_key(rank: str) -> tuple[int, int | str]:

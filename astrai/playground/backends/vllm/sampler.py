@@ -10,9 +10,11 @@ Invariants:
 
 - One lock, the backend's: it also guards the requests the stream threads write, so a sample attributes pages to
   requests as they stand between two chunks, never inside one.
-- ``step`` and event ``seq`` only grow; ``generation`` grows when the cache behind them may be another one: the
-  server answered again after an outage (the event subscriber is then told to resync), or the tracker saw its
-  publisher restart. Counters going back (a restart) give a sample of zero deltas, never negative ones.
+- ``step`` and event ``seq`` only grow; ``generation`` grows when the cache behind them is another one, on evidence
+  only: ``/metrics`` shows another ``process_start_time_seconds`` (or, without it, counters going back; the event
+  subscriber is then told to resync), or the tracker saw its publisher's seq start over. A scrape that fails or
+  is slow is no evidence: the stats say "unreachable" meanwhile, and pages, owners and generation stay. Counters
+  going back give a sample of zero deltas, never negative ones.
 - ``stats()`` raises ``BackendUnavailable`` while ``/metrics`` cannot be read, or its last answer is older than
   ``STALE_AFTER_S``: the UI says "backend unreachable" rather than show old numbers as current.
 """
@@ -54,7 +56,7 @@ class Sampler:
     """Samples the server into ``StepSample``s, events and pages; answers the backend's observation methods.
 
     ``requests`` and ``outcomes`` are the backend's, read under ``lock``; ``subscriber`` (or None) gives tracker
-    snapshots, and is told to ``resync`` when the server answers again. :meth:`stop` joins the thread.
+    snapshots, and is told to ``resync`` when the server restarted. :meth:`stop` joins the thread.
     """
 
     def __init__(
@@ -187,14 +189,16 @@ class Sampler:
             return
         snap = self._tracker()
         with self._lock:
-            recovered = self._unreachable is not None and self._metrics is not None
-            restarted = snap is not None and snap.restarts > self._pages.epoch[1]
-            if recovered or restarted:
-                self._generation += 1  # the cache behind us may be another one now
+            # A restart only on evidence (a slow or failed scrape is none): the server's start time changed (or its
+            # counters went back), or the tracker saw its event sequence start over.
+            server_restarted = self._metrics is not None and metrics.restarted_since(self._metrics)
+            events_restarted = snap is not None and snap.restarts > self._pages.epoch[1]
+            if server_restarted or events_restarted:
+                self._generation += 1  # the cache behind us is another one now
             self._unreachable = None
             self._metrics, self._metrics_at = metrics, time.monotonic()
-        if recovered and self._subscriber is not None:
-            self._subscriber.resync()
+        if server_restarted and self._subscriber is not None:
+            self._subscriber.resync()  # its events may not show it yet: start over from the new server's seq 0
         self._record(metrics, snap)
 
     def _record(self, metrics: VllmMetrics, snap: TrackerSnapshot | None) -> None:
