@@ -145,6 +145,16 @@ def test_with_prefix_caching_off_the_stats_line_says_off_not_zero_percent():
     assert "prefix caching is off" in line and "%" not in line
 
 
+def test_with_prefix_caching_off_the_hit_rate_chart_says_off_and_draws_no_zero():
+    from astrai.playground.views import charts
+
+    off = stats(prefix_caching=False)
+    data = chart_series.series([sample(1, 100.0, hits=0, queries=0)], off, now=101.0)
+    figure = charts.hit_rate_chart(data).to_plotly_json()
+    assert "prefix caching is off" in figure["layout"]["title"]["text"]
+    assert all(y is None for y in figure["data"][0]["y"]), "no 0% where nothing was looked up"
+
+
 def test_the_engine_line_names_the_pool_and_who_shares_it():
     from astrai.playground.backends.protocol import EngineView
 

@@ -186,7 +186,9 @@ class SingleServer:
         yield self._backend
 
     def view(self, profile: Profile, visitors: int) -> EngineView:
-        return EngineView(name="the server's own pool", description=self._backend.label, visitors=visitors)
+        return EngineView(
+            name="the server's own pool", description="its pool and batch are the server's", visitors=visitors
+        )
 
     def shutdown(self) -> None:
         self._backend.shutdown()

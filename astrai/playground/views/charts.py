@@ -112,7 +112,10 @@ def hit_rate_chart(data: Series) -> go.Figure:
         ]
     )
     fig.update_yaxes(range=[0, 105])
-    return _layout(fig, "Prefix hit rate (token-weighted, first admissions)", "% of prompt tokens", data)
+    title = "Prefix hit rate (token-weighted, first admissions)"
+    if not data.prefix_caching:
+        title = "Prefix hit rate: none, prefix caching is off on this engine (nothing is looked up)"
+    return _layout(fig, title, "% of prompt tokens", data)
 
 
 MIN_ROWS = 4

@@ -24,6 +24,7 @@ class Series:
     step_hit_ages: list[float]  # steps that admitted requests ...
     step_hit_rate: list[float]  # ... and the hit share of the prompt tokens they admitted
     marker: float | None = None  # replay: the x of the step shown
+    prefix_caching: bool = True  # off: nothing is looked up, so there is no hit rate to draw (not 0%)
 
 
 def series(history: Sequence[StepSample], stats: CacheStats, now: float, window_s: float = 120.0) -> Series:
@@ -69,6 +70,7 @@ def series(history: Sequence[StepSample], stats: CacheStats, now: float, window_
         hit_rate=rates,
         step_hit_ages=[round(s.time - now, 3) for s in admitted],
         step_hit_rate=[s.hit_tokens / s.query_tokens for s in admitted],
+        prefix_caching=stats.prefix_caching,
     )
 
 
