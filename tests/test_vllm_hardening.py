@@ -153,6 +153,62 @@ def test_a_slow_scrape_loses_no_block_beyond_the_replay_buffer(fake, tmp_path):
         publisher.close()
 
 
+# --- 2. a transient /tokenize error is not "no chat template" ----------------------------------------------------
+
+
+@pytest.fixture
+def no_local_tokenizer(monkeypatch):
+    """The served model's tokenizer is not on this machine: the server applies the chat template."""
+    monkeypatch.setattr(VllmBackend, "_load_tokenizer", staticmethod(lambda root: None))
+
+
+def test_a_transient_tokenize_error_fails_that_run_and_is_asked_again(fake, no_local_tokenizer):
+    url, handler = fake
+    backend = VllmBackend(url, sample_every_s=3600)
+    try:
+        for status in (503, 429, 500, 408):
+            handler.tokenize_errors = [status]
+            prompt = f"Hello {status}"
+            with pytest.raises(BackendUnavailable, match=f"/tokenize with HTTP {status}"):
+                backend.format_prompt("Be kind. ", prompt)
+            templated = f"<system>Be kind. <user>{prompt}<assistant>"  # the fake's template
+            assert backend.format_prompt("Be kind. ", prompt) == templated, "asked again, not cached as untemplated"
+            calls = handler.tokenize_calls
+            assert backend.format_prompt("Be kind. ", prompt) == templated and handler.tokenize_calls == calls
+        handler.tokenize_errors = [404]  # another refusal: the text as it is, for this run only
+        assert backend.format_prompt("", "Hi") == "Hi"
+        assert backend.format_prompt("", "Hi") == "<user>Hi<assistant>"
+        handler.tokenize_errors = [400]  # vLLM's answer for a model without a chat template: that one is kept
+        assert backend.format_prompt("A. ", "B") == "A. B"
+        calls = handler.tokenize_calls
+        assert backend.format_prompt("A. ", "B") == "A. B" and handler.tokenize_calls == calls
+    finally:
+        backend.shutdown()
+
+
+def test_the_chat_template_cache_is_a_bounded_lru(fake, no_local_tokenizer, monkeypatch):
+    from astrai.playground.backends.vllm import prompts
+
+    assert 100 <= prompts.CHAT_CACHE <= 1000, "a few hundred prompts"
+    monkeypatch.setattr(prompts, "CHAT_CACHE", 8)  # the same rule, in fewer HTTP calls
+    url, handler = fake
+    backend = VllmBackend(url, sample_every_s=3600)
+    try:
+        backend.format_prompt("", "prompt 0")
+        for i in range(1, 20):
+            backend.format_prompt("", f"prompt {i}")
+            backend.format_prompt("", "prompt 0")  # used all along: the most recent, never dropped
+        calls = handler.tokenize_calls
+        assert calls == 20
+        backend.format_prompt("", "prompt 0")
+        backend.format_prompt("", "prompt 19")
+        assert handler.tokenize_calls == calls, "the recent ones are kept"
+        backend.format_prompt("", "prompt 1")
+        assert handler.tokenize_calls == calls + 1, "the oldest was dropped: at most CHAT_CACHE are kept"
+    finally:
+        backend.shutdown()
+
+
 @pytest.mark.vllm
 def test_vllm_real_server_reports_a_steady_start_time():
     """What restart detection reads is there on the real server, and two scrapes agree on it."""

@@ -4,12 +4,14 @@ A real vLLM server takes about a minute to start on 2 cores, so the tests that k
 again use this one (stdlib only; it starts in well under a second). It serves what ``VllmBackend`` reads:
 ``/health``, ``/v1/models`` (the embedded model's directory as ``root``, so the app loads the same tokenizer),
 ``/metrics`` (a recorded payload of the real server, tests/data/vllm/metrics_before.txt, with this process's own
-``process_start_time_seconds``, so that a restarted fake is seen as one) and streaming
+``process_start_time_seconds``, so that a restarted fake is seen as one), ``/tokenize`` and ``/detokenize`` (a toy
+chat template: each turn as ``<role>content``, one token per character) and streaming
 ``/v1/completions`` as vLLM sends them (SSE ``data:`` lines, ``token_ids``, a final usage chunk, ``[DONE]``), one
 token every ``--delay`` seconds, so a test can kill it mid-stream.
 
 In-process (``serve()``), each server gets a ``Handler`` subclass of its own whose class attributes a test sets:
-how ``/metrics`` answers (``metrics_text``, ``metrics_status``, ``metrics_delay``).
+how ``/metrics`` answers (``metrics_text``, ``metrics_status``, ``metrics_delay``) and ``/tokenize``
+(``tokenize_errors``: statuses to answer first, one per call; ``tokenize_calls`` counts the calls).
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ MODEL_DIR = ROOT / "assets" / "models" / "tinystories-llama"
 METRICS = ROOT / "tests" / "data" / "vllm" / "metrics_before.txt"
 MODEL = "tinystories-llama"  # the recorded metrics carry this model_name
 STARTED = time.time()  # this process's start, as its /metrics says
+NO_TEMPLATE = (  # what vLLM answers /tokenize for messages to a model without a chat template (HTTP 400)
+    "As of transformers v4.44, default chat template is no longer allowed, so you must provide a chat template if "
+    "the tokenizer does not define one."
+)
 WORDS = ["Once", " upon", " a", " time", ",", " there", " was", " a", " little", " dog", "."]
 
 
@@ -40,6 +46,8 @@ class Handler(BaseHTTPRequestHandler):
     metrics_text: str | None = None  # None: the recorded payload with this process's start time
     metrics_status = 200
     metrics_delay = 0.0  # seconds before /metrics answers
+    tokenize_errors: list[int] = []  # statuses /tokenize answers first, one per call (serve() gives each its own)
+    tokenize_calls = 0
 
     def log_message(self, *args) -> None:  # quiet
         pass
@@ -70,6 +78,9 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802
         length = int(self.headers.get("Content-Length", 0))
         request = json.loads(self.rfile.read(length) or b"{}")
+        if self.path in ("/tokenize", "/detokenize"):
+            self._tokens(request)
+            return
         if self.path != "/v1/completions":
             self._send(404, b'{"error": "not found"}')
             return
@@ -103,6 +114,21 @@ class Handler(BaseHTTPRequestHandler):
             self._count(outcome, 1)
         self.close_connection = True
 
+    def _tokens(self, request: dict) -> None:
+        if self.path == "/detokenize":
+            self._send(200, json.dumps({"prompt": "".join(map(chr, request["tokens"]))}).encode())
+            return
+        cls = type(self)
+        with self.lock:
+            cls.tokenize_calls += 1
+            status = cls.tokenize_errors.pop(0) if cls.tokenize_errors else 200
+        if status != 200:
+            message = NO_TEMPLATE if status == 400 else f"fake error {status}"
+            self._send(status, json.dumps({"error": {"message": message, "code": status}}).encode())
+            return
+        text = "".join(f"<{m['role']}>{m['content']}" for m in request["messages"]) + "<assistant>"
+        self._send(200, json.dumps({"tokens": [ord(c) for c in text], "count": len(text)}).encode())
+
     def _count(self, name: str, delta: int) -> None:
         with self.lock:
             self.counts[name] += delta
@@ -121,7 +147,7 @@ def recorded_metrics(started: float) -> str:
 @contextlib.contextmanager
 def serve() -> Iterator[tuple[str, type[Handler]]]:
     """A fake in this process, on a free port: ``(its URL, its own Handler subclass)``."""
-    handler = type("FakeHandler", (Handler,), {"counts": dict(Handler.counts)})
+    handler = type("FakeHandler", (Handler,), {"counts": dict(Handler.counts), "tokenize_errors": []})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)

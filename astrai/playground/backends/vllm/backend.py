@@ -1,7 +1,7 @@
 """The playground attached to a vLLM server: the second implementation of the ``Backend`` protocol.
 
 Here: the connection (the served model from ``/v1/models``; its tokenizer, or the server's ``/tokenize`` and
-``/detokenize``; the chat template), input checks, and the ``Backend`` methods. Runs are ``run``'s (one streaming
+``/detokenize`` through ``prompts``), input checks, and the ``Backend`` methods. Runs are ``run``'s (one streaming
 ``/v1/completions`` request per panel, all at once); counters, samples, pages and events are ``sampler``'s (from
 ``/metrics`` and the KV-event ``subscriber``); cached-but-unused blocks in ``stats()`` are *derived* (``derived``).
 
@@ -27,7 +27,8 @@ import httpx
 import openai
 
 from astrai.observation import CacheSnapshot, CacheStats, EngineEvent, RequestInfo, StepSample
-from astrai.playground.backends.protocol import BackendUnavailable, RunFailed, chat_messages, format_prompt
+from astrai.playground.backends.protocol import BackendUnavailable, RunFailed, format_prompt
+from astrai.playground.backends.vllm.prompts import ServerText
 from astrai.playground.backends.vllm.run import VllmRun, _Request, cache_salt, completion_payload
 from astrai.playground.backends.vllm.sampler import SAMPLE_EVERY_S, Sampler
 from astrai.playground.backends.vllm.subscriber import KvEventSubscriber
@@ -73,8 +74,7 @@ class VllmBackend:
         self._requests: OrderedDict[int, _Request] = OrderedDict()
         self._runs: dict[int, tuple[VllmRun, int]] = {}  # request id -> (its run, its panel)
         self._outcomes = {"finished": 0, "cancelled": 0, "failed": 0, "generated": 0}
-        self._decoded: OrderedDict[tuple[int, ...], str] = OrderedDict()
-        self._chat: dict[tuple[str, str], str] = {}
+        self._text = ServerText(self._http, self.url, self.model)  # /tokenize, /detokenize: no local tokenizer
         if subscriber is None and kv_events:
             subscriber = KvEventSubscriber(kv_events, replay_endpoint=kv_replay, topic="")
         self._subscriber = subscriber
@@ -155,26 +155,10 @@ class VllmBackend:
     # ----- prompts and tokens ---------------------------------------------------------------------------------
     def format_prompt(self, prefix: str, prompt: str) -> str:
         """The same rule as ``LocalBackend``: a chat template when the model has one (the shared prefix as the
-        system turn), else ``prefix + prompt``."""
+        system turn), else ``prefix + prompt``. Without a local tokenizer the server applies it (``prompts``)."""
         if self._tokenizer is not None:
             return format_prompt(self._tokenizer, prefix, prompt)
-        messages = chat_messages(prefix, prompt)
-        cached = self._chat.get((prefix, prompt))
-        if cached is not None:
-            return cached
-        try:  # no local tokenizer: let the server apply its template (a model without one answers 4xx)
-            response = self._http.post(
-                "/tokenize", json={"model": self.model, "messages": messages, "add_generation_prompt": True}
-            )
-            if response.status_code >= 400:
-                text = prefix + prompt
-            else:
-                tokens = response.json()["tokens"]
-                text = self._detokenize(tokens)
-        except (httpx.HTTPError, KeyError, ValueError) as exc:
-            raise BackendUnavailable(f"the vLLM server at {self.url} did not answer /tokenize: {exc}") from exc
-        self._chat[(prefix, prompt)] = text
-        return text
+        return self._text.chat(prefix, prompt)
 
     def _encode(self, text: str) -> tuple[int, ...]:
         if self._tokenizer is None:
@@ -183,27 +167,10 @@ class VllmBackend:
             return tuple(self._tokenizer(text)["input_ids"])
 
     def decode(self, token_ids: tuple[int, ...] | list[int]) -> str:
-        ids = tuple(token_ids)
         if self._tokenizer is not None:
             with self._tokenizer_lock:
-                return self._tokenizer.decode(list(ids))
-        with self._lock:
-            if ids in self._decoded:
-                return self._decoded[ids]
-        try:
-            text = self._detokenize(list(ids))
-        except (httpx.HTTPError, KeyError, ValueError):
-            return "?"  # a view must not fail because the server is away
-        with self._lock:
-            self._decoded[ids] = text
-            while len(self._decoded) > 8192:
-                self._decoded.popitem(last=False)
-        return text
-
-    def _detokenize(self, tokens: list[int]) -> str:
-        response = self._http.post("/detokenize", json={"model": self.model, "tokens": tokens})
-        response.raise_for_status()
-        return response.json()["prompt"]
+                return self._tokenizer.decode(list(token_ids))
+        return self._text.decode(tuple(token_ids))
 
     def special_ids(self) -> set[int]:
         return set(self._tokenizer.all_special_ids) if self._tokenizer is not None else set()
