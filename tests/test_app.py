@@ -204,6 +204,21 @@ def test_another_session_never_sees_my_text_and_isolation_works(server_url):
     assert bob_cached(isolate=False) > 0  # the shared namespace hits them (without showing her text)
 
 
+def test_the_privacy_rule_holds_on_a_scenarios_engine_too(server_url):
+    """Visitors on the small-pool engine share it, and its page map still hides the other one's text."""
+    from gradio_client import Client
+
+    alice, bob = Client(server_url, verbose=False), Client(server_url, verbose=False)
+    for visitor in (alice, bob):
+        visitor.predict("Eviction pressure (small pool)", api_name="/load_scenario")
+    secret = "Zebedee the orange giraffe counted twenty clouds over the quiet town"
+    alice.predict(**run_args([secret], 4) | {"shared_prefix": ""}, api_name="/run")
+    assert alice.predict(api_name="/cache_stats")["n_pages"] == 40, "control: Alice ran on the small pool"
+    assert "Zebedee" in json.dumps(alice.predict(api_name="/refresh")), "control: Alice sees her own pages"
+    seen_by_bob = json.dumps(bob.predict(api_name="/refresh"))
+    assert "40 pages" in seen_by_bob and "Zebedee" not in seen_by_bob
+
+
 def test_no_api_call_changes_what_the_default_profile_serves(server_url):
     """Every endpoint that picks settings, a scenario or a model acts on the caller's own profile: a visitor who
     never touched them still gets the default engine (it was rebuilt for everybody before profiles)."""

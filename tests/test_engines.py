@@ -11,8 +11,10 @@ from astrai.playground.backends.profiles import (
     DEFAULT_PROFILE,
     EMBEDDED_LABEL,
     HUB_MODELS,
+    HUB_MODELS_ENV,
     EngineSettings,
     Profile,
+    hub_models_allowed,
     model_choices,
 )
 from astrai.playground.backends.protocol import BackendError, EngineLimitReached
@@ -94,6 +96,10 @@ def test_engines_and_kv_memory_are_bounded():
 
 
 def test_hub_models_are_offered_only_when_the_operator_allows(monkeypatch):
+    monkeypatch.delenv(HUB_MODELS_ENV, raising=False)
+    assert not hub_models_allowed() and hub_models_allowed(flag=True)
+    monkeypatch.setenv(HUB_MODELS_ENV, "1")
+    assert hub_models_allowed()
     assert list(model_choices(allow_hub=False)) == [EMBEDDED_LABEL]
     assert set(HUB_MODELS) <= set(model_choices(allow_hub=True))
     engines = LocalEngines(idle_retire_s=3600)
