@@ -8,6 +8,7 @@ import gradio as gr
 import pytest
 
 from astrai.observation import CacheSnapshot
+from astrai.playground import state
 from astrai.playground.backends.engines import LocalEngines
 from astrai.playground.backends.profiles import DEFAULT_PROFILE, SMALL_POOL_PROFILE
 from astrai.playground.callbacks.context import Context
@@ -26,7 +27,8 @@ def recording() -> Recording:
     return Recording(CacheSnapshot(step=0, pages=()), (), (1,))
 
 
-def test_polls_neither_create_visitors_nor_push_an_active_one_out():
+def test_polls_neither_create_visitors_nor_push_an_active_one_out(monkeypatch):
+    monkeypatch.setattr(state, "COUNT_EVERY_S", 0.0)
     visitors = Visitors(DEFAULT_PROFILE)
     visitors.act("active").recording = recording()
     for _ in range(3):
@@ -46,7 +48,8 @@ def test_recordings_are_bounded_by_activity_order():
     assert not any(kept[1:5]), "the least recently active lost their replays first"
 
 
-def test_visitors_count_by_engine():
+def test_visitors_count_by_engine(monkeypatch):
+    monkeypatch.setattr(state, "COUNT_EVERY_S", 0.0)
     visitors = Visitors(DEFAULT_PROFILE)
     visitors.act("a")
     visitors.act("b").profile = SMALL_POOL_PROFILE

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from astrai.playground.backends.profiles import Profile
@@ -27,6 +27,7 @@ KEEP_OWNERS = 4096  # requests remembered; the oldest are forgotten first (their
 KEEP_VISITORS = 4096
 KEEP_RECORDINGS = 128
 SEEN_WITHIN_S = 10.0  # a tab polled within this long counts as a visitor on its engine
+COUNT_EVERY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,8 @@ class Visitors:
         self._visitors: OrderedDict[str, Visitor] = OrderedDict()  # least recently active first
         self._owners: OrderedDict[int, Owner] = OrderedDict()
         self._polling: OrderedDict[str, float] = OrderedDict()  # tabs that only poll: session -> last seen
+        self._counts: Counter[Profile] = Counter()  # visitors by profile, as counted at _counted_at
+        self._counted_at = float("-inf")
 
     def act(self, session: str) -> Visitor:
         """The visitor doing something (a run, a replay, a lesson step): created if new, moved to the front."""
@@ -103,14 +106,17 @@ class Visitors:
         visitor.seen_at = now
         return visitor
 
-    def on(self, profile: Profile, now: float | None = None) -> int:
-        """Visitors on ``profile``'s engine seen recently (at least the caller, who just polled or acted)."""
-        now = time.monotonic() if now is None else now
+    def on(self, profile: Profile) -> int:
+        """Visitors on ``profile``'s engine seen recently (at least the caller, who just polled or acted). Counted
+        at most once a second for all profiles: every open tab asks each second."""
+        now = time.monotonic()
         with self._lock:
-            count = sum(v.profile == profile and now - v.seen_at <= SEEN_WITHIN_S for v in self._visitors.values())
-            if profile == self._default:  # a tab that only polls is on the default engine
-                count += sum(now - seen <= SEEN_WITHIN_S for seen in self._polling.values())
-        return max(count, 1)
+            if now - self._counted_at >= COUNT_EVERY_S:
+                recent = [v.profile for v in self._visitors.values() if now - v.seen_at <= SEEN_WITHIN_S]
+                # a tab that only polls is on the default engine
+                recent += [self._default for seen in self._polling.values() if now - seen <= SEEN_WITHIN_S]
+                self._counts, self._counted_at = Counter(recent), now
+            return max(self._counts[profile], 1)
 
     def register(self, request_ids: list[int], session: str) -> None:
         with self._lock:
