@@ -83,6 +83,7 @@ class StubSubscriber:
     def __init__(self) -> None:
         self.tracker = BlockTracker()
         self.resyncs = 0
+        self.resyncing = False  # what status() says (a test sets it)
 
     def start(self) -> None: ...
 
@@ -92,7 +93,7 @@ class StubSubscriber:
         self.resyncs += 1
 
     def status(self) -> dict:
-        return {}
+        return {"resyncing": self.resyncing}
 
     def snapshot(self):
         return self.tracker.snapshot()

@@ -90,9 +90,10 @@ def engine_line(view: EngineView, model_label: str) -> str:
     return f"**Your engine:** {view.name} · {view.description} · {sharing} · model: {model_label}"
 
 
-def stats_line(stats: CacheStats, derived: frozenset[str] = frozenset()) -> str:
+def stats_line(stats: CacheStats, derived: frozenset[str] = frozenset(), caveat: str | None = None) -> str:
     """What the cache holds now and what it saved so far, in plain words first. A quantity the backend does not
-    report reads "n/a (...)", and one it only derives (a field name in ``derived``) is marked "(derived)"."""
+    report reads "n/a (...)", and one it only derives (a field name in ``derived``) is marked "(derived)";
+    ``caveat`` (the backend's, e.g. a page map that may be incomplete) ends it, as a warning."""
 
     def pages(value: int | None, name: str, what: str) -> str:
         if value is None:
@@ -118,7 +119,8 @@ def stats_line(stats: CacheStats, derived: frozenset[str] = frozenset()) -> str:
             f" · preempted requests, re-admitted, found {stats.readmitted_hit_tokens} of their "
             f"{stats.readmitted_query_tokens} tokens again (counted apart)"
         )
-    return f"{now}  \n{reuse} · {_count(stats.evictions)} evictions · {stats.preemptions} preemptions"
+    line = f"{now}  \n{reuse} · {_count(stats.evictions)} evictions · {stats.preemptions} preemptions"
+    return f"{line}  \n⚠️ {caveat}" if caveat else line
 
 
 def unreachable_line(model_label: str, reason: str) -> str:

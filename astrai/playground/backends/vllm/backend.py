@@ -152,6 +152,11 @@ class VllmBackend:
         """Why the server cannot be reached right now (None when it answers)."""
         return self._sampler.unreachable
 
+    @property
+    def caveat(self) -> str | None:
+        """Why the page map may be incomplete now (a resync, or KV events missed); None when it is whole."""
+        return self._sampler.caveat()
+
     # ----- prompts and tokens ---------------------------------------------------------------------------------
     def format_prompt(self, prefix: str, prompt: str) -> str:
         """The same rule as ``LocalBackend``: a chat template when the model has one (the shared prefix as the

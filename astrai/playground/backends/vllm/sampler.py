@@ -17,6 +17,8 @@ Invariants:
   going back give a sample of zero deltas, never negative ones.
 - ``stats()`` raises ``BackendUnavailable`` while ``/metrics`` cannot be read, or its last answer is older than
   ``STALE_AFTER_S``: the UI says "backend unreachable" rather than show old numbers as current.
+- The page map is only as whole as the tracker's view: ``caveat()`` says so in words while it is not (a resync
+  replaying, or events missed beyond the server's replay buffer), and the stats line shows it.
 """
 
 from __future__ import annotations
@@ -160,6 +162,20 @@ class Sampler:
     def history(self, after_step: int) -> list[StepSample]:
         with self._lock:
             return [s for s in self._samples if s.step > after_step]
+
+    def caveat(self) -> str | None:
+        """What the page map cannot vouch for now, in words (None when the events gave all of the cache, or there
+        are no events). The tracker's view is incomplete while a resync replays, and after events it missed that
+        the server's replay buffer no longer held (or before this app joined, without a replay endpoint)."""
+        snap = self._tracker()
+        if snap is None or snap.complete:
+            return None
+        if (self._subscriber.status() or {}).get("resyncing"):
+            return "The page map is being rebuilt from the server's KV events (resync): it may be incomplete meanwhile"
+        return (
+            "The page map may be incomplete: some of the server's KV events were missed (beyond its replay buffer, "
+            "or from before this app joined); it is whole again once the cache is cleared"
+        )
 
     def _tracker(self) -> TrackerSnapshot | None:
         return self._subscriber.snapshot() if self._subscriber is not None else None

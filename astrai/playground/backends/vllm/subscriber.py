@@ -70,9 +70,12 @@ class KvEventSubscriber(threading.Thread):
         self._resync_event.set()
 
     def status(self) -> dict[str, Any]:
+        """``state``: starting, listening, replaying (catching up from the replay endpoint), failed or stopped;
+        ``resyncing``: a resync was asked and has not finished (its replay included)."""
         with self._state_lock:
             return {
                 "state": self._state,
+                "resyncing": self._resync_event.is_set() or self._state in ("starting", "replaying"),
                 "last_message_at": self._last_message_at,
                 "replays": self._replays,
                 "bad_messages": self._bad_messages,
@@ -103,10 +106,12 @@ class KvEventSubscriber(threading.Thread):
                 self._replay(ctx, 0)  # catch up with what the server published before we joined
             while not self._stop_event.is_set():
                 if self._resync_event.is_set():
+                    self._set_state("replaying")  # status() says resyncing throughout
                     self._resync_event.clear()
                     self.tracker.reset()
                     if self.replay_endpoint:
                         self._replay(ctx, 0)
+                    self._set_state("listening")
                 if not sub.poll(self.poll_ms):
                     continue
                 parts = sub.recv_multipart(zmq.NOBLOCK)
@@ -152,7 +157,9 @@ class KvEventSubscriber(threading.Thread):
 
         assert self.replay_endpoint is not None
         dealer = ctx.socket(zmq.DEALER)
-        applied = 0
+        applied = received = 0
+        ended = False
+        self._set_state("replaying")
         try:
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.SNDTIMEO, 1000)  # a DEALER without a peer would block on send
@@ -172,7 +179,9 @@ class KvEventSubscriber(threading.Thread):
                 except EventDecodeError:
                     continue
                 if seq == END_SEQ:
+                    ended = True
                     break
+                received += 1
                 deadline = time.monotonic() + self.replay_timeout_s  # still streaming: extend
                 try:
                     batch = decode_batch(payload)
@@ -183,10 +192,15 @@ class KvEventSubscriber(threading.Thread):
                     continue
                 self.tracker.apply(seq, batch)
                 applied += 1
+            if ended and start_seq == 0 and not received:
+                self.tracker.confirm_empty()  # its buffer is empty: it has published nothing, its cache is empty
             with self._state_lock:
                 self._replays += 1
         finally:
             dealer.close(linger=0)
+            with self._state_lock:
+                if self._state == "replaying":
+                    self._state = "listening"
         return applied
 
     # -- reads --

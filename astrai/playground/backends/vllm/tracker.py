@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from types import MappingProxyType
 
@@ -106,6 +106,10 @@ class TrackerSnapshot:
         return not self.complete
 
 
+_FIELDS = [f.name for f in fields(TrackerSnapshot)]
+_COUNTERS = _FIELDS[_FIELDS.index("batches") :]  # the snapshot's counters: its fields from ``batches`` on
+
+
 class BlockTracker:
     """The prefix cache of one publisher (one data-parallel rank), rebuilt from its event batches.
 
@@ -118,24 +122,7 @@ class BlockTracker:
         self._recent_limit = recent_removed
         self._remember_limit = remember_seqs
         self._reset_state()
-        self._counters: dict[str, int] = dict.fromkeys(
-            (
-                "batches",
-                "stored_blocks",
-                "duplicate_stores",
-                "hit_reports",
-                "removed_blocks",
-                "unknown_removals",
-                "clears",
-                "gaps",
-                "missed_batches",
-                "restarts",
-                "duplicates",
-                "resets",
-                "skipped_events",
-            ),
-            0,
-        )
+        self._counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
 
     def _reset_state(self) -> None:
         self._blocks: dict[BlockHash, CachedBlock] = {}
@@ -175,6 +162,13 @@ class BlockTracker:
         with self._lock:
             self._reset_state()
             self._counters["restarts" if restart else "resets"] += 1
+
+    def confirm_empty(self) -> None:
+        """The publisher has published nothing yet (a replay from seq 0 answered no batch): the empty view is the
+        whole cache. No effect once a batch was applied."""
+        with self._lock:
+            if self._last_seq is None and not self._blocks:
+                self._complete = True
 
     def apply(self, seq: int, batch: KVEventBatch) -> SeqStatus:
         """Apply one batch. A gap or a late join marks the view incomplete (it is applied all the same); a restart
