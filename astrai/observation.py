@@ -31,24 +31,26 @@ from dataclasses import dataclass
 class CacheStats:
     """The cache and scheduler counters at one moment."""
 
-    n_pages: int
-    page_size: int
+    # None where not reported: the engine fills every field; a vLLM server's /metrics may lack a series, and its
+    # cached and free pages need its KV events.
+    n_pages: int | None
+    page_size: int | None
     free_pages: int | None  # None: not reported (vLLM without KV events)
-    used_pages: int  # ref count >= 1
+    used_pages: int | None  # ref count >= 1
     cached_pages: int | None  # ref count 0, indexed, in the LRU (evictable); None: not reported
-    query_tokens: int  # prompt tokens looked up, once per request (first admission)
-    hit_tokens: int  # of those, tokens served from the prefix cache
+    query_tokens: int | None  # prompt tokens looked up, once per request (first admission)
+    hit_tokens: int | None  # of those, tokens served from the prefix cache
     # Looked up again when a preempted request came back: its prompt plus the tokens it had generated, as vLLM's
     # ``preempted_queries`` counts them (vLLM's Prometheus metrics do not publish these: None).
     readmitted_query_tokens: int | None
     readmitted_hit_tokens: int | None
-    hit_rate: float  # hit_tokens / query_tokens, in [0, 1]
-    recent_hit_rate: float  # the same over the last ``HIT_WINDOW`` first admissions
+    hit_rate: float | None  # hit_tokens / query_tokens, in [0, 1]
+    recent_hit_rate: float | None  # the same over the last ``HIT_WINDOW`` first admissions
     evictions: int | None  # None: not reported (vLLM without KV events)
     stored_pages: int | None  # pages ever registered in the prefix index; None: not reported
-    preemptions: int
-    running: int
-    waiting: int
+    preemptions: int | None
+    running: int | None
+    waiting: int | None
     finished: int  # requests that ended by EOS or max_tokens
     cancelled: int
     failed: int
@@ -166,7 +168,7 @@ class StepSample:
     time: float  # wall clock (time.time()) at the end of the step
     duration_s: float  # schedule + forward + sampling
     free_pages: int | None  # None where the backend cannot know (see the module docstring)
-    used_pages: int
+    used_pages: int | None  # None: not reported (a vLLM server's /metrics without its pool's usage)
     cached_pages: int | None
     prefill_tokens: int | None  # prompt (or recomputed) tokens run through the model in this step
     decode_tokens: int | None

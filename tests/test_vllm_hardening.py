@@ -211,6 +211,74 @@ def test_the_chat_template_cache_is_a_bounded_lru(fake, no_local_tokenizer, monk
         backend.shutdown()
 
 
+# --- 3. a series /metrics lacks is shown as not reported, never as 0 --------------------------------------------
+
+
+def without(text: str, *series: str) -> str:
+    """A /metrics payload without these series (their samples and their HELP/TYPE lines)."""
+    return "\n".join(line for line in text.splitlines() if not any(name in line for name in series)) + "\n"
+
+
+POOL = ("vllm:cache_config_info", "vllm:kv_cache_usage_perc")
+COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions", "vllm:num_requests_")
+
+
+def draw_everything(backend: VllmBackend) -> str:
+    """The stats line, after every chart and view the live page draws was drawn from the backend (none may fail)."""
+    import dataclasses
+
+    from astrai.playground.views import charts, series, text
+
+    stats = backend.stats()
+    data = series.series(backend.history(0), stats, time.time())
+    for chart in (charts.occupancy_chart, charts.lru_chart, charts.hit_rate_chart):
+        chart(data)
+    assert json.dumps(dataclasses.asdict(stats))  # what /cache_stats answers
+    return text.stats_line(stats, backend.derived, backend.caveat)
+
+
+def test_missing_metrics_are_not_reported_rather_than_zero(fake):
+    from astrai.playground.views import charts, series
+
+    url, handler = fake
+    handler.metrics_text = without(fake_vllm.recorded_metrics(1000.0), *POOL, *COUNTERS)
+    stub = StubSubscriber()
+    backend = VllmBackend(url, subscriber=stub, sample_every_s=3600)
+    try:
+        for seq, payload in recorded()[:BEFORE_CLEAR]:  # 15 cached copies by the events
+            stub.tracker.apply(seq, decode_batch(payload))
+        backend._tick()
+        stats = backend.stats()
+        assert (stats.n_pages, stats.used_pages, stats.cached_pages, stats.free_pages) == (None,) * 4
+        assert stats.page_size == 32, "the events carry the block size"
+        assert (stats.query_tokens, stats.hit_tokens, stats.hit_rate, stats.recent_hit_rate) == (None,) * 4
+        assert (stats.preemptions, stats.running, stats.waiting) == (None,) * 3
+        line = draw_everything(backend)
+        assert "**0**" not in line and " 0 " not in line.replace("· 0 evictions", ""), line  # (the events' count)
+        assert "n/a pages in use" in line and "of n/a pages × 32 tokens" in line
+        assert "Reuse so far:** n/a" in line and "n/a (vLLM does not report it) preemptions" in line
+        data = series.series(backend.history(0), stats, time.time())
+        assert all(r is None for r in data.hit_rate) and data.used[-1] is None
+        assert "n/a" in charts.occupancy_chart(data).layout.title.text
+        # the pool back, the counters still absent: occupancy is known again, reuse is still not
+        handler.metrics_text = without(fake_vllm.recorded_metrics(1000.0), *COUNTERS)
+        backend._tick()
+        stats = backend.stats()
+        assert (stats.n_pages, stats.used_pages, stats.cached_pages, stats.free_pages) == (21845, 0, 15, 21830)
+        assert stats.hit_rate is None and "Reuse so far:** n/a" in draw_everything(backend)
+        assert backend.generation == 1, "series coming and going is no restart"
+    finally:
+        backend.shutdown()
+    handler.metrics_text = None  # the whole recorded payload: every number is reported
+    backend = VllmBackend(url, sample_every_s=3600)
+    try:
+        stats = backend.stats()
+        assert (stats.n_pages, stats.used_pages, stats.query_tokens, stats.hit_rate) == (21845, 0, 0, 0.0)
+        assert "**0** pages in use" in draw_everything(backend)
+    finally:
+        backend.shutdown()
+
+
 # --- 4. the resync path, and a page map that may be incomplete --------------------------------------------------
 
 

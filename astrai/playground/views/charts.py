@@ -58,10 +58,12 @@ def occupancy_chart(data: Series) -> go.Figure:
                 line=dict(width=0.5, color=STATE_COLORS[name], shape="hv"),
             )
         )
-    pool = data.used[-1] + (data.cached[-1] or 0) + (data.free[-1] or 0) if data.used else 0
-    busiest = max((u + (c or 0) for u, c in zip(data.used, data.cached, strict=True)), default=0)
+    pool = (data.used[-1] or 0) + (data.cached[-1] or 0) + (data.free[-1] or 0) if data.used else 0
+    busiest = max(((u or 0) + (c or 0) for u, c in zip(data.used, data.cached, strict=True)), default=0)
     fig.update_yaxes(range=[0, max(8, busiest * 1.15)])
-    if data.used and data.cached[-1] is None:
+    if data.used and data.used[-1] is None:
+        title = "Pages in use: n/a (the server does not report its pool's usage)"
+    elif data.used and data.cached[-1] is None:
         title = "Pages in use (cached: n/a, not reported without KV events)"
     elif data.used and data.free[-1] is None:
         title = "Pages in use and cached (pool size n/a)"

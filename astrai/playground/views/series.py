@@ -16,7 +16,7 @@ class Series:
 
     x_title: str
     ages: list[float]  # x of each point: seconds before now (live), or since the run started (replay)
-    used: list[int]
+    used: list[int | None]  # None: not reported by the backend
     cached: list[int | None]  # None: not reported by the backend
     free: list[int | None]
     evictions: list[int | None]  # cumulative from the left edge; None: not reported
@@ -37,6 +37,9 @@ def series(history: Sequence[StepSample], stats: CacheStats, now: float, window_
     hits_after, queries_after = 0, 0
     hit_rate: list[float | None] = []
     for s in reversed(samples):
+        if stats.hit_tokens is None or stats.query_tokens is None:  # not reported: no line, not 0%
+            hit_rate.append(None)
+            continue
         hits, queries = stats.hit_tokens - hits_after, stats.query_tokens - queries_after
         hit_rate.append(hits / queries if queries else None)
         hits_after += s.hit_tokens

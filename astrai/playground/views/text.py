@@ -83,6 +83,10 @@ def _count(value: int | None) -> str:
     return NOT_REPORTED if value is None else str(value)
 
 
+def _short(value: int | None) -> str:
+    return "n/a" if value is None else str(value)
+
+
 def engine_line(view: EngineView, model_label: str) -> str:
     """Which engine the visitor is on, first, in words: its profile, pool, page size and batch, and who shares it."""
     others = view.visitors - 1
@@ -101,12 +105,15 @@ def stats_line(stats: CacheStats, derived: frozenset[str] = frozenset(), caveat:
         return f"**{value}** {what}" + (" (derived)" if name in derived else "")
 
     cached, free = pages(stats.cached_pages, "cached_pages", "cached"), pages(stats.free_pages, "free_pages", "free")
+    used = "n/a" if stats.used_pages is None else f"**{stats.used_pages}**"
     now = (
-        f"**Now:** **{stats.used_pages}** pages in use by running requests · {cached} (kept for reuse) · {free}, "
-        f"of {stats.n_pages} pages × {stats.page_size} tokens"
+        f"**Now:** {used} pages in use by running requests · {cached} (kept for reuse) · {free}, "
+        f"of {_short(stats.n_pages)} pages × {_short(stats.page_size)} tokens"
     )
     if not stats.prefix_caching:
         reuse = "**Reuse:** prefix caching is off on this engine, so nothing is looked up"
+    elif stats.query_tokens is None or stats.hit_tokens is None or stats.hit_rate is None:
+        reuse = f"**Reuse so far:** {NOT_REPORTED}"
     elif not stats.query_tokens:
         reuse = "**Reuse so far:** no prompt has been looked up yet"
     else:
@@ -119,7 +126,7 @@ def stats_line(stats: CacheStats, derived: frozenset[str] = frozenset(), caveat:
             f" · preempted requests, re-admitted, found {stats.readmitted_hit_tokens} of their "
             f"{stats.readmitted_query_tokens} tokens again (counted apart)"
         )
-    line = f"{now}  \n{reuse} · {_count(stats.evictions)} evictions · {stats.preemptions} preemptions"
+    line = f"{now}  \n{reuse} · {_count(stats.evictions)} evictions · {_count(stats.preemptions)} preemptions"
     return f"{line}  \n⚠️ {caveat}" if caveat else line
 
 

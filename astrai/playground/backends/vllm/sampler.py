@@ -46,12 +46,17 @@ KEEP_SAMPLES = 4096
 MATCH_RECENT = 256  # the newest requests whose tokens attribute blocks to panels
 
 
-def _occupancy(metrics: VllmMetrics, snap: TrackerSnapshot | None) -> tuple[int, int, int | None, int | None]:
-    """``(blocks, in use, cached, free)``; cached and free are derived from the events (None without them)."""
-    n = metrics.num_blocks or 0
-    used = round((metrics.kv_cache_usage or 0.0) * n)
-    cached = max(0, snap.cached_copies - used) if snap is not None else None
-    return n, used, cached, max(0, n - used - cached) if cached is not None else None
+def _occupancy(metrics: VllmMetrics, snap: TrackerSnapshot | None) -> tuple[int | None, ...]:
+    """``(blocks, in use, cached, free)``, None where not reported: the pool and its used share are ``/metrics``'
+    (absent series stay absent, never 0), cached and free are derived from the events and need both."""
+    n, usage = metrics.num_blocks, metrics.kv_cache_usage
+    used = round(usage * n) if n is not None and usage is not None else None
+    cached = max(0, snap.cached_copies - used) if snap is not None and used is not None else None
+    return n, used, cached, max(0, n - used - cached) if cached is not None else None  # type: ignore[operator]
+
+
+def _int(value: float | None) -> int | None:
+    return None if value is None else int(value)
 
 
 class Sampler:
@@ -123,11 +128,12 @@ class Sampler:
             raise BackendUnavailable(unreachable or f"no answer from {self._url}/metrics for {STALE_AFTER_S:.0f} s")
         snap = self._tracker()
         n, used, cached, free = _occupancy(metrics, snap)
-        hits, queries = int(metrics.prefix_cache_hits or 0), int(metrics.prefix_cache_queries or 0)
+        hits, queries = _int(metrics.prefix_cache_hits), _int(metrics.prefix_cache_queries)
         window_hits, window_queries = sum(s.hit_tokens for s in samples), sum(s.query_tokens for s in samples)
+        hit_rate = None if hits is None or queries is None else hits / queries if queries else 0.0
         return CacheStats(
             n_pages=n,
-            page_size=metrics.block_size or (snap.block_size if snap else None) or 0,
+            page_size=metrics.block_size or (snap.block_size if snap else None),
             free_pages=free,
             used_pages=used,
             cached_pages=cached,
@@ -135,13 +141,13 @@ class Sampler:
             hit_tokens=hits,
             readmitted_query_tokens=None,
             readmitted_hit_tokens=None,
-            hit_rate=hits / queries if queries else 0.0,
-            recent_hit_rate=window_hits / window_queries if window_queries else (hits / queries if queries else 0.0),
+            hit_rate=hit_rate,
+            recent_hit_rate=window_hits / window_queries if window_queries and hit_rate is not None else hit_rate,
             evictions=snap.removed_blocks if snap is not None else None,
             stored_pages=snap.stored_blocks if snap is not None else None,
-            preemptions=int(metrics.preemptions or 0),
-            running=int(metrics.running or 0),
-            waiting=int(metrics.waiting or 0),
+            preemptions=_int(metrics.preemptions),
+            running=_int(metrics.running),
+            waiting=_int(metrics.waiting),
             finished=outcomes["finished"],  # this app's requests (vLLM's per-reason counters are not read)
             cancelled=outcomes["cancelled"],
             failed=outcomes["failed"],
