@@ -4,16 +4,38 @@
 its own seq from 0, keeps the last ``buffer_steps`` for replay (vLLM's ``buffer_steps``), and answers
 ``(b"", start_seq)`` with ``(b"", topic, seq, payload)``... then the end marker. ``StubSubscriber`` stands in for
 ``KvEventSubscriber`` inside a ``VllmBackend``: the test applies batches to its tracker and reads its resyncs.
+``recorded`` reads the batches recorded from a real server.
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import threading
 import time
 from collections import deque
 from pathlib import Path
 
+from astrai.playground.backends.vllm.encoding import END_SEQ, parse_frames
 from astrai.playground.backends.vllm.tracker import BlockTracker
+
+DATA = Path(__file__).parents[1] / "data" / "vllm"
+BEFORE_CLEAR = 12  # kv_events_run: batches 0-11 hold 7 blocks in 15 physical copies; batch 12 clears the cache
+
+
+def recorded(name: str = "kv_events_run") -> list[tuple[int, bytes]]:
+    """``(seq, payload)`` of each batch in a recording of tests/data/vllm, end markers left out."""
+    out = []
+    for line in (DATA / f"{name}.jsonl").read_text().splitlines():
+        _, seq, payload = parse_frames([base64.b64decode(p) for p in json.loads(line)["frames_b64"]])
+        if seq != END_SEQ:
+            out.append((seq, payload))
+    return out
+
+
+def held(backend) -> list:
+    """A backend's pages that hold a block (in use or cached)."""
+    return [p for p in backend.snapshot().pages if p.state != "free"]
 
 
 class FakePublisher:
