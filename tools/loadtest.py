@@ -610,9 +610,9 @@ def run_load(
                     del pending[engine]
         if pending:
             time.sleep(0.2)
-    report.used_pages_after = max(
-        (figures.get("used pages after", -1) for figures in report.engines.values()), default=-1
-    )
+    read = [figures.get("used pages after") for figures in report.engines.values()]
+    # -1: not read; a vLLM server whose /metrics lacks the pool usage reports None, which is not a count
+    report.used_pages_after = max((used for used in read if used is not None), default=-1)
     if app_pid is not None:
         memory = process_memory_kb(app_pid)
         report.memory_kb |= {"after": memory.get("VmRSS", 0), "peak": memory.get("VmHWM", 0)}

@@ -37,6 +37,7 @@ class LocalBackend:
 
     derived: frozenset[str] = frozenset()  # the engine reports every field itself
     generation = 1
+    caveat = None  # the engine's page map is always whole
 
     def __init__(self, engine: InferenceEngine, label: str):
         self._engine = engine

@@ -76,6 +76,11 @@ class Backend(Protocol):
         """Grows whenever the cache behind the backend is replaced: sequence numbers restart with it."""
         ...
 
+    @property
+    def caveat(self) -> str | None:
+        """Why the page map may be incomplete now (a vLLM server's resync, KV events it missed); None when whole."""
+        ...
+
     def format_prompt(self, prefix: str, prompt: str) -> str:
         """The text that reaches the model: instruct models get their chat template, base models ``prefix + prompt``."""
         ...

@@ -68,8 +68,7 @@ class LiveCallbacks:
             tick=previous.tick + 1,
             evicted=((() if fresh else previous.evicted) + tuple(evicted))[-MAX_GHOSTS:],
         )
-        caveat = getattr(backend, "caveat", None)  # a vLLM server's page map may be incomplete (a resync, a gap)
-        line = f"{text.engine_line(view, backend.label)}  \n{text.stats_line(stats, backend.derived, caveat)}"
+        line = f"{text.engine_line(view, backend.label)}  \n{text.stats_line(stats, backend.derived, backend.caveat)}"
         update: dict = {cache.stats: line}
         if visitor.streaming_since is not None or previous.badges:
             badges = self.runs.details(visitor, highlights=False)
