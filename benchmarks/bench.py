@@ -2,8 +2,15 @@
 unpacked) against transformers' ``generate`` on a padded batch and transformers' continuous batching,
 interleaved in one process.
 
-It prints a markdown table per model. Each method gets its own copy of the weights, because every method
-switches the model's attention implementation (and the engine its linear layers) to its own.
+It prints a markdown table per model, after a line naming the CPU (``benchmarks/host_cpu.py``). Each method gets
+its own copy of the weights, because every method switches the model's attention implementation (and the engine its
+linear layers) to its own. vLLM CPU (its own venv) runs in two set-ups, ``VLLM_SETUPS``: its offline engine core
+in-process and tuned, and its multiprocess engine at its defaults; "vs vLLM" is against the faster of the two.
+
+``--versus-vllm`` is the engine against vLLM alone, every method in a process of its own, fresh each round: the
+engine as a user's script drives it (``benchmarks/engine_worker.py``: ``InferenceEngine.from_pretrained`` at its
+defaults, then ``clear()``, ``generate_ids`` and ``cache_stats()`` from the main thread), with the tokens each run
+really generated; see ``versus_vllm``.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import argparse
 import copy
 import importlib.util
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -40,6 +48,7 @@ from transformers import (
 )
 
 from astrai import InferenceEngine
+from benchmarks.host_cpu import cpu_name
 
 DEFAULT_ENGINE = "astrai, prefix caching on"
 REPO = Path(__file__).resolve().parents[1]
@@ -234,40 +243,67 @@ def run_hf_continuous(manager, work: Workload) -> Result:
     )
 
 
-class VllmWorker:
-    """vLLM CPU, loaded once in its own venv (``benchmarks/vllm_worker.py``), run one workload at a time.
+# ----- the methods in processes of their own -----------------------------------------------------------------
+VLLM_IN_PROCESS = "in-process tuned"
+VLLM_MULTIPROCESS = "multiprocess defaults"
+VLLM_SETUPS = (VLLM_IN_PROCESS, VLLM_MULTIPROCESS)
+TUNED = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_NUM_OF_RESERVED_CPU", "LD_PRELOAD")
+TCMALLOC = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_minimal.so", "libtcmalloc.so")
+LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64")
 
-    The venv is ``scripts/serve_vllm.py``'s (made on first use, 2-3 minutes). The checkpoint is saved to a temporary
-    folder first, so vLLM loads exactly the weights the other methods run.
+
+def vllm_preloads(venv: Path) -> tuple[list[Path], list[str]]:
+    """What vLLM's CPU docs ask to preload, where found: tcmalloc (Debian: ``apt-get install libtcmalloc-minimal4``)
+    and the ``libiomp5.so`` that vllm-cpu installs into its venv's ``lib/``. Returns (found, what is missing)."""
+    tcmalloc = next((Path(d, n) for n in TCMALLOC for d in (venv / "lib", *LIBRARY_DIRS) if Path(d, n).exists()), None)
+    iomp = venv / "lib" / "libiomp5.so"
+    found = [p for p in (tcmalloc, iomp if iomp.exists() else None) if p is not None]
+    missing = [] if tcmalloc else ["tcmalloc (apt-get install libtcmalloc-minimal4)"]
+    return found, missing + ([] if iomp.exists() else [f"libiomp5.so (not in {venv / 'lib'})"])
+
+
+def vllm_env(setup: str, venv: Path) -> dict[str, str]:
+    """The environment of a vLLM worker: ``scripts/serve_vllm.py``'s (offline, no usage stats, its KV space), and
+
+    - ``VLLM_IN_PROCESS``: the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the model runs on
+      the caller's thread, on torch's default threads, one per core), no core reserved for a scheduler process
+      (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``), tcmalloc and vLLM's libiomp5 in ``LD_PRELOAD`` where found;
+    - ``VLLM_MULTIPROCESS``: vLLM's defaults (the engine core and the model in processes of their own; on x86 one
+      core is reserved for the scheduler, so on 2 cores the model runs on one OpenMP thread).
     """
+    launcher = _launcher()
+    env = launcher.server_env(launcher.parse_args([]))
+    for name in TUNED:
+        env.pop(name, None)
+    if setup == VLLM_IN_PROCESS:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+        found, _ = vllm_preloads(venv)
+        if found:
+            env["LD_PRELOAD"] = ":".join(map(str, found))
+    elif setup != VLLM_MULTIPROCESS:
+        raise ValueError(f"unknown vLLM set-up {setup!r}; one of {VLLM_SETUPS}")
+    return env
 
-    def __init__(self, model: PreTrainedModel, dtype: str, venv: Path):
-        launcher = _launcher()
-        launcher.ensure_venv(venv)
-        self._folder = tempfile.TemporaryDirectory(prefix="astrai-bench-")
-        model.save_pretrained(self._folder.name, safe_serialization=True)
-        self.name = VLLM_METHOD if dtype == "float32" else f"{VLLM_METHOD} {dtype}"
-        self._process = subprocess.Popen(
-            [
-                str(launcher.venv_python(venv)),
-                str(REPO / "benchmarks" / "vllm_worker.py"),
-                "--model",
-                self._folder.name,
-                "--dtype",
-                dtype,
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=launcher.server_env(launcher.parse_args([])),  # offline, no usage stats, the launcher's KV space
-        )
-        if not self._answer().get("ready"):
-            raise RuntimeError("the vLLM worker did not start")
+
+class Worker:
+    """One method in a process of its own, loaded once, run one workload at a time: one JSON line in (the job),
+    one out (the run), as ``benchmarks/vllm_worker.py`` and ``benchmarks/engine_worker.py`` answer. Its first line
+    says it is ready, and how it is set up (``setup``)."""
+
+    def __init__(self, name: str, command: list[str], env: dict[str, str]):
+        self.name = name
+        started = time.perf_counter()
+        self._process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        ready = self._answer()
+        if not ready.get("ready"):
+            raise RuntimeError(f"{name}: the worker did not start")
+        self.setup: dict = {"start_s": round(time.perf_counter() - started, 1), **ready.get("setup", {})}
 
     def _answer(self) -> dict:
         line = self._process.stdout.readline()
         if not line:
-            raise RuntimeError(f"the vLLM worker exited (code {self._process.wait()}); its log is above")
+            raise RuntimeError(f"{self.name}: the worker exited (code {self._process.wait()}); its log is above")
         return json.loads(line)
 
     def run(self, work: Workload, eos: int) -> Result:
@@ -292,7 +328,33 @@ class VllmWorker:
             self._process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self._process.kill()
-        self._folder.cleanup()
+            self._process.wait()
+
+
+def vllm_method(setup: str, dtype: str) -> str:
+    return f"{VLLM_METHOD}{'' if dtype == 'float32' else ' ' + dtype} ({setup})"
+
+
+def vllm_worker(folder: str, dtype: str, venv: Path, setup: str) -> Worker:
+    """vLLM CPU in its own venv (``scripts/serve_vllm.py``'s, made on first use, 2-3 minutes) on the checkpoint
+    in ``folder`` (the weights the other methods run, saved as safetensors), in one of ``VLLM_SETUPS``."""
+    launcher = _launcher()
+    launcher.ensure_venv(venv)
+    command = [str(launcher.venv_python(venv)), str(REPO / "benchmarks" / "vllm_worker.py"), "--model", folder]
+    return Worker(vllm_method(setup, dtype), [*command, "--dtype", dtype], vllm_env(setup, venv))
+
+
+def engine_worker(folder: str, dtype: str, compiled: bool) -> Worker:
+    """The engine at its defaults in a plain script of its own (``benchmarks/engine_worker.py``)."""
+    name = f"astrai{' compiled' if compiled else ''}{'' if dtype == 'float32' else ' ' + dtype} (defaults)"
+    command = [sys.executable, "-m", "benchmarks.engine_worker", "--model", folder, "--dtype", dtype]
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return Worker(name, command + ["--compile"] * compiled, dict(os.environ, PYTHONPATH=path))
+
+
+def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, folder: str) -> None:
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
 
 
 def _launcher():  # noqa: ANN202 - a module
@@ -336,14 +398,15 @@ class Block:
     results: list[Result]
 
     def ratios(self, r: Result) -> tuple[float | None, float | None, float | None]:
-        """(vs transformers generate, vs the best transformers method, vs vLLM in the same dtype), within this block."""
+        """(vs transformers generate, vs the best transformers method, vs the faster vLLM set-up in the same dtype),
+        within this block."""
         transformers = [x.tok_s for x in self.results if x.method.startswith("transformers")]
         generate = [x.tok_s for x in self.results if x.method == "transformers generate"]
         vllm = [x.tok_s for x in self.results if x.method.startswith(VLLM_METHOD) and _dtype(x) == _dtype(r)]
         return (
             r.tok_s / generate[0] if generate else None,
             r.tok_s / max(transformers) if transformers else None,
-            r.tok_s / vllm[0] if vllm else None,
+            r.tok_s / max(vllm) if vllm else None,
         )
 
 
@@ -385,13 +448,11 @@ def bench_model(
     rounds: int,
     bf16: bool,
     vllm_venv: Path | None,
-    versus_vllm: bool,
     compiled: bool,
 ) -> str:
     """Every method on every workload, round after round, after one warm-up run of the first workload each (a
-    compiled engine compiles there). ``versus_vllm`` keeps only the default engine and vLLM (each in bfloat16 too
-    with ``bf16``); the reference outputs are then the engine's own, which the equivalence tests tie to
-    ``generate``'s. ``compiled`` adds the engine with ``compile=True`` in each dtype."""
+    compiled engine compiles there). vLLM runs in both ``VLLM_SETUPS``; "vs vLLM" is against the faster one.
+    ``compiled`` adds the engine with ``compile=True`` in each dtype."""
     base, tokenizer = load()
     eos = tokenizer.eos_token_id
     vocab = base.config.vocab_size
@@ -402,8 +463,6 @@ def bench_model(
         "astrai, prefix caching off": dict(prefix_caching=False),
         "astrai, caching on, plain weights": dict(prefix_caching=True, packed_weights=False),
     }
-    if versus_vllm:
-        variants = {DEFAULT_ENGINE: variants[DEFAULT_ENGINE]}
     if bf16:
         variants["astrai bfloat16, prefix caching on"] = dict(prefix_caching=True, dtype="bfloat16")
     if compiled:
@@ -411,16 +470,17 @@ def bench_model(
             label = "" if dtype == "float32" else f" {dtype}"
             variants[f"astrai compiled{label}, prefix caching on"] = dict(dtype=dtype, compile=True)
     engines = {name: InferenceEngine(copy.deepcopy(base), tokenizer, **v, **options) for name, v in variants.items()}
-    manager = None
-    if not versus_vllm:
-        manager = copy.deepcopy(base).init_continuous_batching(
-            generation_config=GenerationConfig(do_sample=False, eos_token_id=eos, pad_token_id=eos),
-            continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=256, num_blocks=64, page_size=256),
-        )
-        manager.start()
+    manager = copy.deepcopy(base).init_continuous_batching(
+        generation_config=GenerationConfig(do_sample=False, eos_token_id=eos, pad_token_id=eos),
+        continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=256, num_blocks=64, page_size=256),
+    )
+    manager.start()
     workers = []
+    folder = tempfile.TemporaryDirectory(prefix="astrai-bench-")
     if vllm_venv is not None:
-        workers = [VllmWorker(base, dtype, vllm_venv) for dtype in ["float32"] + ["bfloat16"] * bf16]
+        save_checkpoint(base, tokenizer, folder.name)
+        for dtype in ["float32"] + ["bfloat16"] * bf16:
+            workers += [vllm_worker(folder.name, dtype, vllm_venv, setup) for setup in VLLM_SETUPS]
     blocks: list[Block] = []
     reference: dict[str, list[list[int]]] = {}
     try:
@@ -431,19 +491,17 @@ def bench_model(
         for _ in range(rounds):
             for work in workloads:  # interleaved: every method runs each workload in turn
                 floor = raw_forward_floor(base, vocab)  # re-measured each time: the machine drifts
-                results = []
-                if manager is not None:
-                    results += [run_hf_generate(base, work, eos), run_hf_continuous(manager, work)]
+                results = [run_hf_generate(base, work, eos), run_hf_continuous(manager, work)]
                 results += [run_engine(engine, work, name) for name, engine in engines.items()]
                 results += [worker.run(work, eos) for worker in workers]
                 reference[work.name] = results[0].outputs
                 blocks.append(Block(work.name, floor, results))
                 print("\n".join(table(title, blocks[-1:], reference).splitlines()[-len(results) :]), flush=True)
     finally:
-        if manager is not None:
-            manager.stop(block=True, timeout=30)
+        manager.stop(block=True, timeout=30)
         for worker in workers:
             worker.close()
+        folder.cleanup()
         for engine in engines.values():
             engine.shutdown()
     return table(title, blocks, reference) + "\n\nMin / median / max over rounds:\n\n" + summary(blocks)
@@ -489,6 +547,163 @@ def _spread(values: list[float], fmt: str, unit: str = "") -> str:
     return " / ".join(f"{v:{fmt}}{unit}" for v in (min(values), statistics.median(values), max(values)))
 
 
+# ----- --versus-vllm: every method in a process of its own, fresh each round ------------------------------------
+@dataclass
+class Sample:
+    """One method's timed runs of one workload in one process (after one warm-up run there)."""
+
+    round: int
+    workload: str
+    dtype: str
+    method: str
+    runs: list[Result]
+
+    @property
+    def tok_s(self) -> float:
+        """The median run's."""
+        return statistics.median(r.tok_s for r in self.runs)
+
+    @property
+    def is_vllm(self) -> bool:
+        return self.method.startswith(VLLM_METHOD)
+
+
+def versus_vllm(
+    title: str, load: Callable, names: list[str], rounds: int, dtypes: list[str], venv: Path, compiled: bool, runs: int
+) -> str:
+    """The engine at its defaults, as a user's script drives it (``benchmarks/engine_worker.py``), against vLLM CPU
+    in both ``VLLM_SETUPS``, on one checkpoint saved once.
+
+    Each round, for each dtype, starts one fresh process per method (so the rounds sample the process-to-process
+    spread too), then runs the workloads in turn: in each process one warm-up run of the workload, then ``runs``
+    timed runs, method after method (their order rotates from round to round). A method's figure in a round is its
+    median run; the ratio is the engine's over the faster vLLM set-up's, within the round."""
+    model, tokenizer = load()
+    eos = tokenizer.eos_token_id
+    workloads = [w for w in make_workloads(model.config.vocab_size) if w.name in names]
+    found, missing = vllm_preloads(venv)
+    header = [
+        f"### {title}: astrai against vLLM CPU",
+        "",
+        f"CPU: {cpu_name()}. vLLM {VLLM_IN_PROCESS}: LD_PRELOAD {':'.join(map(str, found)) or 'none'}"
+        + (f" (missing: {', '.join(missing)})" if missing else "")
+        + f". Rounds: {rounds}, each a fresh process per method; per process and workload a warm-up, then {runs} "
+        "timed runs.",
+    ]
+    print("\n".join(header), flush=True)
+    samples: list[Sample] = []
+    setups: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="astrai-bench-") as folder:
+        save_checkpoint(model, tokenizer, folder)
+        del model  # the workers load their own copies
+        for round_ in range(1, rounds + 1):
+            for dtype in dtypes:
+                starts: list[bool | str] = [False, *[True] * compiled, *VLLM_SETUPS]  # compile=..., or a set-up
+                shift = (round_ - 1) % len(starts)
+                workers: list[Worker] = []
+                try:
+                    for start in starts[shift:] + starts[:shift]:
+                        if isinstance(start, bool):
+                            workers.append(engine_worker(folder, dtype, start))
+                        else:
+                            workers.append(vllm_worker(folder, dtype, venv, start))
+                        setups.setdefault(workers[-1].name, workers[-1].setup)
+                    for work in workloads:
+                        for worker in workers:
+                            worker.run(work, eos)  # the warm-up
+                            timed = [worker.run(work, eos) for _ in range(runs)]
+                            samples.append(Sample(round_, work.name, dtype, worker.name, timed))
+                            print(sample_line(samples[-1]), flush=True)
+                        print(ratio_line(samples[-1], samples), flush=True)
+                finally:
+                    for worker in workers:
+                        worker.close()
+    lines = header + ["", "Set-ups, as each worker reported its first start (start_s: to ready, seen from here):", ""]
+    lines += [f"- {name}: {json.dumps(setup)}" for name, setup in setups.items()]
+    return "\n".join(lines + ["", versus_table(samples, runs)])
+
+
+def round_of(sample: Sample, samples: list[Sample]) -> list[Sample]:
+    return [s for s in samples if (s.round, s.workload, s.dtype) == (sample.round, sample.workload, sample.dtype)]
+
+
+def faster_vllm(sample: Sample, samples: list[Sample]) -> Sample | None:
+    """The faster vLLM set-up in ``sample``'s round, workload and dtype."""
+    vllm = [s for s in round_of(sample, samples) if s.is_vllm]
+    return max(vllm, key=lambda s: s.tok_s) if vllm else None
+
+
+def sample_line(sample: Sample) -> str:
+    runs = ", ".join(f"{r.tok_s:.1f}" for r in sample.runs)
+    generated = ", ".join(str(r.generated) for r in sample.runs)
+    return f"round {sample.round} {sample.workload} {sample.method}: tok/s {runs}; tokens generated {generated}"
+
+
+def ratio_line(sample: Sample, samples: list[Sample]) -> str:
+    """The engine's ratio to the faster vLLM set-up in ``sample``'s round, workload and dtype."""
+    best = faster_vllm(sample, samples)
+    engines = [s for s in round_of(sample, samples) if not s.is_vllm]
+    ratios = ", ".join(f"{e.method} {e.tok_s / best.tok_s:.2f}x" for e in engines)
+    return f"round {sample.round} {sample.workload} {sample.dtype}: faster vLLM: {best.method}; {ratios}"
+
+
+def _counts(values: list[int]) -> str:
+    return str(values[0]) if min(values) == max(values) else f"{min(values)}-{max(values)}"
+
+
+def versus_table(samples: list[Sample], runs: int) -> str:
+    """Per workload, dtype and engine method: the ratio to the faster vLLM set-up in each round and its min / median
+    / max; which set-up was faster; every run's tok/s (min / median / max); the tokens each run really generated."""
+    lines = [
+        "| workload | dtype | astrai | astrai / faster vLLM, per round | min / median / max | faster vLLM, per round "
+        "| astrai tok/s | "
+        + " | ".join(f"vLLM {setup} tok/s" for setup in VLLM_SETUPS)
+        + " | tokens per run: astrai; "
+        + "; ".join(f"vLLM {setup}" for setup in VLLM_SETUPS)
+        + " | astrai greedy = vLLM |",
+        "|---" * (9 + len(VLLM_SETUPS)) + "|",
+    ]
+    keys = list(dict.fromkeys((s.workload, s.dtype, s.method) for s in samples if not s.is_vllm))
+    for workload, dtype, method in keys:
+        mine = [s for s in samples if (s.workload, s.dtype, s.method) == (workload, dtype, method)]
+        best = [faster_vllm(s, samples) for s in mine]
+        ratios = [s.tok_s / b.tok_s for s, b in zip(mine, best, strict=True) if b is not None]
+        vllm = {setup: vllm_method(setup, dtype) for setup in VLLM_SETUPS}
+        vllm = {
+            setup: [s for s in samples if (s.workload, s.dtype, s.method) == (workload, dtype, name)]
+            for setup, name in vllm.items()
+        }
+        same = [
+            sum(a == b for a, b in zip(s.runs[0].outputs, b.runs[0].outputs, strict=True))
+            for s, b in zip(mine, best, strict=True)
+            if b is not None
+        ]
+        faster = [b.method.split("(")[-1].rstrip(")") if b else "-" for b in best]
+        cells = [
+            workload,
+            dtype,
+            method,
+            ", ".join(f"{r:.2f}" for r in ratios),
+            _spread(ratios, ".2f", "x"),
+            ", ".join(faster),
+            _spread([r.tok_s for s in mine for r in s.runs], ".1f"),
+            *(_spread([r.tok_s for s in vllm[setup] for r in s.runs], ".1f") for setup in VLLM_SETUPS),
+            "; ".join(
+                _counts([r.generated for s in group for r in s.runs]) if group else "-"
+                for group in [mine, *vllm.values()]
+            ),
+            f"{min(same)}/{len(mine[0].runs[0].outputs)}" if same else "-",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = (
+        f"\n\nRatios are the engine's median run over the faster vLLM set-up's median run, within each round ({runs} "
+        "timed runs per process, after a warm-up); tok/s columns are min / median / max over every timed run; "
+        '"tokens per run" counts the tokens really generated (the engine\'s from cache_stats); "greedy = vLLM" the '
+        "prompts whose first timed output equals the faster vLLM set-up's, in the worst round."
+    )
+    return "\n".join(lines) + notes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", default="smollm,embedded", help="comma list of: smollm, embedded")
@@ -503,24 +718,37 @@ def main() -> None:
         help="add vLLM CPU rows (its venv is made on first use, like scripts/serve_vllm.py's)",
     )
     parser.add_argument(
-        "--versus-vllm", action="store_true", help="only the default engine against vLLM (with --bf16, both dtypes)"
+        "--versus-vllm",
+        action="store_true",
+        help="only the engine at its defaults (a plain script in its own process) against vLLM in-process, tuned, "
+        "and multiprocess at its defaults, fresh processes each round (with --bf16, both dtypes)",
+    )
+    parser.add_argument(
+        "--runs", type=int, default=3, help="--versus-vllm: timed runs per process and workload, after a warm-up"
     )
     parser.add_argument("--compile", action="store_true", help="also run the engine with compile=True")
     parser.add_argument("--vllm-venv", type=Path, help="default: $ASTRAI_VLLM_VENV, else scripts/serve_vllm.py's")
     args = parser.parse_args()
+    if args.versus_vllm and not args.vllm:
+        parser.error("--versus-vllm needs vLLM (drop --no-vllm)")
     torch.set_num_threads(args.threads)
     loaders = {
         "smollm": ("SmolLM2-135M-shaped Llama (random weights)", smollm_shaped),
         "embedded": ("embedded tinystories-llama", embedded),
     }
     names = args.workloads.split(",")
-    print(f"torch {torch.__version__}, {args.threads} threads, float32 unless marked\n")
+    threads = "each process at its defaults" if args.versus_vllm else f"{args.threads} threads"
+    print(f"CPU: {cpu_name()}\ntorch {torch.__version__}, {threads}, float32 unless marked\n", flush=True)
     for key in args.models.split(","):
         title, load = loaders[key]
         venv = None
         if args.vllm:
             venv = args.vllm_venv or _launcher().parse_args([]).venv  # $ASTRAI_VLLM_VENV, else its default
-        text = bench_model(title, load, names, args.rounds, args.bf16, venv, args.versus_vllm, args.compile)
+        if args.versus_vllm:
+            dtypes = ["float32"] + ["bfloat16"] * args.bf16
+            text = versus_vllm(title, load, names, args.rounds, dtypes, venv, args.compile, args.runs)
+        else:
+            text = bench_model(title, load, names, args.rounds, args.bf16, venv, args.compile)
         print(text, "\n", flush=True)
 
 

@@ -23,6 +23,7 @@ from astrai.model_runner import SUPPORTED_DTYPES, ModelRunner
 from astrai.request import Request
 from astrai.sampling import SamplingParams
 from benchmarks.bench import embedded, smollm_shaped
+from benchmarks.host_cpu import cpu_name
 
 PAGE_SIZE = 16
 VARIANTS = {
@@ -78,8 +79,8 @@ def main() -> None:
         print(f"{name}: ready in {time.perf_counter() - started:.1f} s (load, prefill, first decode)", flush=True)
     first = next(iter(runners))
     print(
-        f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, {args.model}, {args.dtype}, "
-        f"batch {args.batch}, "
+        f"\nCPU: {cpu_name()}\ntorch {torch.__version__}, {torch.get_num_threads()} threads, {args.model}, "
+        f"{args.dtype}, batch {args.batch}, "
         f"context {args.context}\n\n| round | "
         + " | ".join(f"{n} ms" for n in runners)
         + " | "

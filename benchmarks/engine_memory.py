@@ -20,6 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.host_cpu import cpu_name
+
 MODEL = Path(__file__).resolve().parents[1] / "assets" / "models" / "tinystories-llama"  # the embedded model
 ENGINES = (  # (label, options) of the engines built one after the other on the one model
     ("engine 1: 16 x 1024 pages, batch 64", dict(page_size=16, n_pages=1024, max_batch_size=64)),
@@ -67,14 +69,6 @@ def child() -> None:
     print(json.dumps(stages))
 
 
-def cpu() -> str:
-    info = Path("/proc/cpuinfo").read_text()
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
-    amx = sorted(f for f in flags if f.startswith("amx"))
-    return f"{name}; avx512f: {'yes' if 'avx512f' in flags else 'no'}; amx: {', '.join(amx) if amx else 'no'}"
-
-
 def mib(value: float) -> str:
     return f"{value / 2**20:.1f}"
 
@@ -100,7 +94,7 @@ def main() -> None:
     import torch
 
     print(f"{MODEL.name}, float32, torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} fresh")
-    print(f"processes; CPU: {cpu()}\n")
+    print(f"processes; CPU: {cpu_name()}\n")
     print("| stage | RSS MiB (min / median / max) | growth over the stage before, MiB (min / median / max) | KV MiB |")
     print("|---|---|---|---|")
     for i, (label, _, kv) in enumerate(rounds[0]):

@@ -15,6 +15,7 @@ import time
 import torch
 
 from astrai.openmp import release_pool
+from benchmarks.host_cpu import cpu_name
 
 
 def median_us(calls: int = 500) -> float:
@@ -39,7 +40,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of 500 calls, µs\n")
+    print(f"CPU: {cpu_name()}\ntorch {torch.__version__}, {torch.get_num_threads()} threads, median of 500 calls, µs\n")
     print("| round | main thread | another thread, main's pool idle | another thread, main's pool released |")
     print("|---|---|---|---|")
     for r in range(args.rounds):

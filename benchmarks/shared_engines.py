@@ -21,16 +21,10 @@ from pathlib import Path
 
 from astrai import InferenceEngine, load_checkpoint
 from astrai.model_runner import PreparedModel
+from benchmarks.host_cpu import cpu_name
 
 MODEL = Path(__file__).resolve().parents[1] / "assets" / "models" / "tinystories-llama"  # the embedded model
 PROMPTS = ["Once upon a time there was", "The little dog ran to", "Lily wanted to bake a", "Ben found a shiny"]
-
-
-def cpu_name() -> str:
-    info = Path("/proc/cpuinfo").read_text()
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    flags = next((line for line in info.splitlines() if line.startswith("flags")), "")
-    return f"{name} (AVX-512: {'avx512f' in flags.split()}, AMX: {'amx_tile' in flags.split()})"
 
 
 def timed(engine: InferenceEngine, max_tokens: int) -> float:

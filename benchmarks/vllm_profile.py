@@ -155,6 +155,8 @@ def projections(config) -> dict[tuple[int, int], str]:  # noqa: ANN001 - a trans
 
 
 def report(trace: Path, result: dict, config, args: argparse.Namespace) -> str:  # noqa: ANN001 - a LlamaConfig
+    from benchmarks.host_cpu import cpu_name  # noqa: PLC0415 - this file also runs as a script in vLLM's venv
+
     data = json.loads(trace.read_text())
     timed = self_times(data["traceEvents"])
     expected = f"execute_context_0(0)_generation_{args.batch}({args.batch})"
@@ -181,6 +183,7 @@ def report(trace: Path, result: dict, config, args: argparse.Namespace) -> str: 
 
     decode_ms = [s * 1000 for s in result["decode_s"]]
     lines = [
+        f"CPU: {cpu_name()}",
         f"vLLM {data.get('vllm_version', '?')} CPU, {args.dtype}: SmolLM2-135M-shaped Llama (random weights), "
         f"{args.batch} requests of {args.context} random prompt tokens, greedy",
         f"- decode step, unprofiled: median {statistics.median(decode_ms):.1f} ms over {len(decode_ms)} steps "

@@ -12,7 +12,10 @@ Its environment (offline, the KV space) is the one ``scripts/serve_vllm.py`` giv
 Every run starts with a cold prefix cache (``reset_prefix_cache``), as the engine's runs do. Prompts go in as token
 ids (no tokenizer is loaded) and decoding is greedy, stopping at ``eos`` as ``generate`` does. TTFT is each request's
 first token as seen by this client; the decode step is the median time between two consecutive engine steps in
-which every request received a token. Everything else is vLLM's defaults for the CPU, with prefix caching on.
+which every request received a token. Everything else is vLLM's defaults for the CPU, with prefix caching on; the
+caller picks the set-up through the environment (``bench.VLLM_SETUPS``: the in-process engine core, tuned, or the
+multiprocess engine at its defaults). The ready line says where the model runs, on how many OpenMP threads and
+CPUs, and with what ``LD_PRELOAD``.
 """
 
 from __future__ import annotations
@@ -47,10 +50,59 @@ def main() -> None:
         seed=0,
     )
     engine = llm.llm_engine
-    print(json.dumps({"ready": True}), file=answers, flush=True)
+    print(json.dumps({"ready": True, "setup": setup()}), file=answers, flush=True)
     for line in sys.stdin:
         job = json.loads(line)
         print(json.dumps(run(engine, job, SamplingParams, TokensPrompt)), file=answers, flush=True)
+
+
+def setup() -> dict:
+    """Where vLLM's model runs, as this process sees it: in this process (the in-process engine core), or in its
+    ``VLLM::Worker`` process (the multiprocess engine); that process's OpenMP threads, CPUs and ``LD_PRELOAD``."""
+    import vllm  # noqa: PLC0415 - only importable inside vLLM's venv
+
+    info = {
+        "vllm": vllm.__version__,
+        "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0",
+        "reserved_cpus": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU"),
+    }
+    worker = next((pid for pid in descendants(os.getpid()) if "VLLM::Worker" in _read(f"/proc/{pid}/cmdline")), None)
+    if worker is None:  # the model runs here, on the caller's thread
+        import torch  # noqa: PLC0415
+
+        info.update(
+            model_process="this one",
+            torch_threads=torch.get_num_threads(),
+            omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
+            cpus=sorted(os.sched_getaffinity(0)),
+            ld_preload=os.environ.get("LD_PRELOAD", ""),
+        )
+        return info
+    environ = dict(item.split("=", 1) for item in _read(f"/proc/{worker}/environ").split("\0") if "=" in item)
+    status = dict(line.split(":\t", 1) for line in _read(f"/proc/{worker}/status").splitlines() if ":\t" in line)
+    info.update(
+        model_process="VLLM::Worker",
+        omp_num_threads=environ.get("OMP_NUM_THREADS"),
+        cpus=status.get("Cpus_allowed_list", "?").strip(),
+        ld_preload=environ.get("LD_PRELOAD", ""),
+    )
+    return info
+
+
+def descendants(pid: int) -> list[int]:
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        for child in _read(f"/proc/{pid}/task/{task}/children").split():
+            found += [int(child), *descendants(int(child))]
+    return found
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as file:
+            return file.read()
+    except OSError:  # a process that ended meanwhile
+        return ""
 
 
 def run(engine, job: dict, sampling_params, tokens_prompt) -> dict:  # noqa: ANN001 - vLLM's types, see main
