@@ -61,10 +61,10 @@ class InferenceEngine:
       and runs the forward *outside* it, reading only what no other thread writes (the scheduled requests' tokens
       and page tables).
     * The **model** is prepared once per model object and shared by every engine on it (``PreparedModel`` in
-      ``model_runner.py``): read-only while served, its forwards serialised by that object's ``forward_lock``, held
-      for one model call, never together with ``_lock``. While several engines share it, their forwards run on its
-      one model thread (one OpenMP pool, ``model_thread.py``); alone, an engine forwards on its loop thread. Engines
-      on one model wait for each other there only.
+      ``model_runner.py``): read-only while served, its forwards serialised by its ``SharedForwards`` lock, held
+      for one model call, never together with ``_lock``. While several engines on it are busy, their forwards run on
+      its one model thread (one OpenMP pool, ``model_thread.py``); otherwise an engine forwards on its loop thread.
+      Engines on one model wait for each other there only.
     * **Caller threads** (``generate``, ``cancel``, ``clear``, the readers) take ``_lock`` for a short critical
       section: submit appends to the waiting queue, ``cancel`` records ids that the loop applies at its next step,
       ``clear`` unindexes cached pages. ``_work_arrived`` (a Condition on ``_lock``) wakes the idle loop.

@@ -20,7 +20,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from astrai.attention import ATTN_IMPLEMENTATION, PagedBatch, build_paged_batch, serving
-from astrai.model_thread import ModelThread
+from astrai.model_thread import SharedForwards
 from astrai.packed_linear import pack_linears, packing_supported, unpack_linears
 from astrai.paged_kernel import DecodeKernel, load_decode_kernel
 from astrai.request import Request
@@ -101,8 +101,8 @@ class PreparedModel:
       layers, the decode kernel choice, the compiled forward) is made by the first ``acquire`` and undone by the last
       ``release``, both under the module's ``_prepared_lock``, which also guards the registry of prepared models and
       each one's count of users. Between the two it is read-only: no engine changes the model while another uses it.
-    * The **forward** holds ``forward_lock``, and while several engines share the model it runs on the prepared
-      model's own ``ModelThread`` (``model_thread.py``), for each of them, one at a time: the packed layers'
+    * The **forward** goes through ``forwards`` (``SharedForwards``, ``model_thread.py``): one at a time, and while
+      several engines on the model are busy, on its one model thread: the packed layers'
       ``FusedProduct`` keeps per-call state, a compiled graph is not safe for two threads at once, and one thread
       keeps one OpenMP pool (two pools throttle each other). On a machine of few cores two concurrent forwards would
       not be faster anyway (each already runs on every core).
@@ -139,8 +139,7 @@ class PreparedModel:
         self.packed_linears = self._pack() if pack else 0
         # eager steps call the model itself (so a wrapper put on its forward later, as the soak's faults, still runs)
         self.compiled = torch.compile(model.forward, dynamic=True) if preparation.compile else None
-        self.forward_lock = threading.Lock()
-        self.thread = ModelThread(f"astrai-model-{id(model):x}")  # last: nothing above can fail and leave it running
+        self.forwards = SharedForwards(f"astrai-model-{id(model):x}")  # last: nothing above can fail and leave it
 
     @staticmethod
     def check(model: PreTrainedModel, preparation: Preparation) -> None:
@@ -183,23 +182,16 @@ class PreparedModel:
             tensor.data = original
         self.original_tensors = []
         self.compiled = None
-        self.thread.stop()
+        self.forwards.stop()
         self.model.train(self.was_training)
         self.model.set_attn_implementation(self.previous_attn)
 
     def forward(
-        self, batch: PagedBatch, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor
+        self, caller: object, batch: PagedBatch, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor
     ) -> torch.Tensor:
-        """The model over one engine's step (``batch`` in that engine's KV tensors): on the calling loop thread while
-        one engine uses the model (no hand-off), on the model thread while several do (one OpenMP pool). Either way
-        under ``forward_lock``, so a forward started on one path never overlaps one on the other while the count
-        of users changes."""
-
-        def run() -> torch.Tensor:
-            with self.forward_lock:
-                return self._forward(batch, tokens, positions, rows)
-
-        return run() if self.users == 1 else self.thread.call(run)
+        """The model over one engine's step (``batch`` in that engine's KV tensors), for ``caller`` (its runner),
+        one at a time with every other engine's, on the thread ``SharedForwards`` picks."""
+        return self.forwards.run(caller, lambda: self._forward(batch, tokens, positions, rows))
 
     @torch.inference_mode()
     def _forward(
@@ -300,6 +292,7 @@ class ModelRunner:
             return
         self._released = True
         self.kv_cache = []
+        self.prepared.forwards.forget(self)
         self.prepared.release()
 
     @torch.inference_mode()
@@ -323,4 +316,4 @@ class ModelRunner:
         )
         tokens, positions_t = torch.tensor([input_ids]), torch.tensor([positions])
         rows = torch.tensor(sample_rows, dtype=torch.long)
-        return self.prepared.forward(batch, tokens, positions_t, rows)
+        return self.prepared.forward(self, batch, tokens, positions_t, rows)

@@ -44,9 +44,9 @@ def both(a: InferenceEngine, b: InferenceEngine, max_tokens: int) -> float:
     return time.perf_counter() - started
 
 
-def on_loop_threads(prepared: PreparedModel, batch, tokens, positions, rows):
-    """``PreparedModel.forward`` as it was: on the calling loop thread, under the lock."""
-    with prepared.forward_lock:
+def on_loop_threads(prepared: PreparedModel, caller, batch, tokens, positions, rows):
+    """``PreparedModel.forward`` as it was: always on the calling loop thread, under the lock."""
+    with prepared.forwards.lock:
         return prepared._forward(batch, tokens, positions, rows)
 
 

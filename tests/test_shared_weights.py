@@ -122,14 +122,16 @@ def test_forwards_of_engines_sharing_a_model_never_overlap(tokenizer, monkeypatc
     assert most_inside[0] == 1, "two engines ran the shared model at once"
 
 
-def test_engines_sharing_a_model_forward_on_one_thread(tokenizer, monkeypatch):
-    """One thread, one OpenMP pool: two busy engines forwarding on their own loop threads made two pools that
-    throttled each other (their batches took 1.5-2.5x as long as one after the other)."""
+def test_busy_engines_sharing_a_model_forward_on_one_thread_an_idle_one_costs_nothing(tokenizer, monkeypatch):
+    """One thread, one OpenMP pool while two engines are busy: forwarding on their own loop threads made two pools
+    that throttled each other (their batches took 1.4-1.6x as long as one after the other). While the other engine
+    idles, an engine forwards on its own loop thread: no hand-off."""
     model, _ = fresh_model("llama", tokenizer)
-    real_forward, threads = model.forward, set()
+    real_forward, threads, started = model.forward, [], threading.Event()
 
     def forward(*args, **kwargs):
-        threads.add(threading.current_thread().name)
+        threads.append(threading.current_thread().name)
+        started.set()
         return real_forward(*args, **kwargs)
 
     monkeypatch.setattr(model, "forward", forward)
@@ -137,12 +139,17 @@ def test_engines_sharing_a_model_forward_on_one_thread(tokenizer, monkeypatch):
         InferenceEngine(model, tokenizer, **PROFILES[0]) as first,
         InferenceEngine(model, tokenizer, **PROFILES[1]) as second,
     ):
-        streams = [engine.generate(PROMPTS[:2], max_tokens=8, stream=True) for engine in (first, second)]
-        assert all(list(stream) for stream in streams)
-        assert len(threads) == 1 and threads.pop().startswith("astrai-model-"), threads
-    with InferenceEngine(model, tokenizer, **PROFILES[0]) as alone:
-        alone.generate(PROMPTS[0], max_tokens=2)
-        assert threads == {"astrai-engine"}, "one engine alone forwards on its own loop thread (no hand-off)"
+        first.generate(PROMPTS[0], max_tokens=4)
+        assert set(threads) == {"astrai-engine"}, "the other engine idles: no hand-off"
+        threads.clear(), started.clear()
+        long = first.generate(PROMPTS[:2], max_tokens=48, stream=True)
+        assert started.wait(10)
+        other = second.generate(PROMPTS[1:3], max_tokens=8, stream=True)
+        assert list(other) and list(long)
+    on_model = [i for i, name in enumerate(threads) if name.startswith("astrai-model-")]
+    assert on_model, "both busy: the forwards moved to the model thread"
+    while_both = threads[on_model[0] : on_model[-1] + 1]
+    assert set(while_both) == {threads[on_model[0]]}, "while both are busy, no forward runs on a loop thread"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
