@@ -72,8 +72,17 @@ def info(**changes) -> RequestInfo:
 
 
 def test_badges_say_what_was_counted():
-    assert views.badge(info()) == "**40** prompt tokens · **32** cached (80%) · TTFT 0.12 s · 50.0 tok/s"
-    assert views.badge(info(cached_tokens=None, ttft=None, tokens_per_s=None)) == "**40** prompt tokens"
+    finished = info(status="finished")
+    assert views.badge(finished) == "**40** prompt tokens · **32** cached (80%) · TTFT 0.12 s · 50.0 tok/s"
+    assert views.badge(info(status="finished", cached_tokens=None, ttft=None, tokens_per_s=None)) == (
+        "**40** prompt tokens"
+    )
+
+
+def test_a_running_badge_shows_only_settled_figures_so_it_changes_rarely():
+    assert views.badge(info()) == "**40** prompt tokens · **32** cached (80%) · TTFT 0.12 s · streaming…"
+    assert views.badge(info(tokens_per_s=99.0)) == views.badge(info()), "the moving rate waits for the end"
+    assert views.badge(info(status="waiting", cached_tokens=None, ttft=None)).endswith("waiting…")
     assert views.badge(info(status="cancelled", preemptions=2)).endswith("preempted ×2 · cancelled")
     assert views.badge(None) == ""
 

@@ -31,6 +31,8 @@ HIT_RATE_CAPTION = (
 
 
 def badge(info: RequestInfo | None) -> str:
+    """A panel's figures. While its request runs, only those that are settled (prompt, cached, TTFT): the badge
+    then changes a few times per run, not at every refresh (each change costs the streaming text browser frames)."""
     if info is None:
         return ""
     parts = [f"**{info.prompt_tokens}** prompt tokens"]
@@ -38,7 +40,9 @@ def badge(info: RequestInfo | None) -> str:
         parts.append(f"**{info.cached_tokens}** cached ({100 * info.cached_tokens / info.prompt_tokens:.0f}%)")
     if info.ttft is not None:
         parts.append(f"TTFT {info.ttft:.2f} s")
-    if info.tokens_per_s:
+    if info.status in ("waiting", "running"):
+        parts.append("streaming…" if info.ttft is not None else "waiting…")
+    elif info.tokens_per_s:
         parts.append(f"{info.tokens_per_s:.1f} tok/s")
     if info.preemptions:
         parts.append(f"preempted ×{info.preemptions}")
