@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -25,7 +26,7 @@ from astrai.playground.ui.layout import MAX_NEW_TOKENS, MAX_PROMPT_CHARS
 from astrai.playground.views import charts, replay, text
 from astrai.sampling import SamplingParams
 
-RUN_CONCURRENCY = 16  # runs streaming at once (more wait in the queue); app.py's --run-concurrency overrides
+RUN_CONCURRENCY = int(os.environ.get("ASTRAI_RUN_CONCURRENCY", 32))  # runs streaming at once (more wait in the queue)
 
 
 @dataclasses.dataclass(frozen=True)
