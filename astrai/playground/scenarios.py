@@ -83,7 +83,34 @@ SCENARIOS = [
         max_tokens=48,
     ),
 ]
-SCENARIO_BY_NAME = {s.name: s for s in SCENARIOS}
+# A fleet behind two routers (round_robin and a prefix-aware policy) gets one more scenario and lesson step. Each
+# tenant's system prompt is long (several full blocks of vLLM's 32 tokens) and its own, so where its requests land
+# decides whether the system prompt is computed once or once per replica.
+TENANTS = Scenario(
+    name="Tenants behind a router",
+    explanation="Three tenants, each with its own long system prompt, send a wave of requests at a time. Press "
+    "Compare routing: the same waves go once through each router, and the chart shows what each policy computed.",
+    prompts=[
+        "You are the helper of the Green Hill farm. The farm has three cows named Daisy, Bella and Rosie, a red "
+        "barn, a big pond with ducks and a small orchard of apple trees. Every morning the farmer, Mr. Brown, feeds "
+        "the hens and milks the cows, and his daughter Anna picks eggs in a basket. In the summer the children of "
+        "the town come to pick apples and to ride the old pony, Pepper. Answer every question about the farm in "
+        "short, kind sentences for children. Question:",
+        "You are the guide of the city zoo. The zoo has two lions, a family of elephants, a tall giraffe named "
+        "Stretch and a house full of colorful birds. The zookeeper, Miss Rose, feeds the penguins fish at noon, "
+        "and the monkeys play on ropes all day long. On Sundays the children may touch the soft goats and the "
+        "slow old turtle, Tim, in the little farm by the gate. Answer every question about the animals in short, "
+        "happy sentences for children. Question:",
+        "You are the keeper of the old lighthouse by the sea. The lighthouse has a bright lamp, a spiral stair of "
+        "one hundred steps and a small boat called Wave. Every evening the keeper, Old Sam, climbs the stair to "
+        "light the lamp, and his cat Misty sleeps by the warm window. When the fog comes in, the big horn sounds "
+        "so that the fishing boats can find their way home. Answer every question about the lighthouse in short, "
+        "calm sentences for children. Question:",
+    ],
+    max_tokens=16,
+)
+ROUTING_WAVES = (" What is there to see?", " Who lives there?", " What happens at night?")
+SCENARIO_BY_NAME = {s.name: s for s in (*SCENARIOS, TENANTS)}
 FOLLOW_UP = " Then"
 
 
@@ -142,9 +169,31 @@ LESSON = [
     ),
 ]
 LESSON_PROFILES = tuple(dict.fromkeys(SCENARIO_BY_NAME[step.scenario].profile for step in LESSON))
+ROUTING_STEP = LessonStep(
+    "7. Routing decides what is reused",
+    TENANTS.name,
+    "routing",
+    "Press Compare routing. The tenants' waves go once through the round-robin router and once through the "
+    "prefix-aware one, each pass on a cold cache: round robin sends a tenant's requests to both replicas, so its "
+    "system prompt is computed on each; the prefix-aware router keeps a tenant where its prompt is cached, so "
+    "fewer prefill tokens are computed (the bars on the left, as the servers reported them).",
+)
 
 
-def lesson_note(index: int) -> str:
-    """The note a lesson step shows (the browser's highlight hook reads the step number back from it)."""
-    step = LESSON[index]
-    return f"**Lesson {index + 1}/{len(LESSON)}: {step.title}.** {step.text}"
+@dataclass(frozen=True)
+class Lesson:
+    """The scenarios a deployment offers and its guided steps: a fleet with two routers adds routing."""
+
+    scenarios: tuple[Scenario, ...]
+    steps: tuple[LessonStep, ...]
+
+    @classmethod
+    def for_deployment(cls, routers: int) -> Lesson:
+        if routers >= 2:
+            return cls((*SCENARIOS, TENANTS), (*LESSON, ROUTING_STEP))
+        return cls(tuple(SCENARIOS), tuple(LESSON))
+
+    def note(self, index: int) -> str:
+        """The note a step shows (the browser's highlight hook reads the step number back from it)."""
+        step = self.steps[index]
+        return f"**Lesson {index + 1}/{len(self.steps)}: {step.title}.** {step.text}"

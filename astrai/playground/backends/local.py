@@ -8,7 +8,14 @@ from collections.abc import Iterator
 
 from astrai import EngineClosedError, InferenceEngine, RequestFailedError, SamplingParams
 from astrai.observation import CacheSnapshot, CacheStats, EngineEvent, RequestInfo, StepSample
-from astrai.playground.backends.protocol import BackendUnavailable, RunFailed, format_prompt
+from astrai.playground.backends.protocol import (
+    BackendUnavailable,
+    ReplicaView,
+    RouterView,
+    RunFailed,
+    Served,
+    format_prompt,
+)
 from astrai.streams import GenerationStream
 
 
@@ -38,6 +45,8 @@ class LocalBackend:
     derived: frozenset[str] = frozenset()  # the engine reports every field itself
     generation = 1
     caveat = None  # the engine's page map is always whole
+    replicas: tuple[ReplicaView, ...] = ()  # one engine: its own observation is the whole cache
+    routers: tuple[RouterView, ...] = ()
 
     def __init__(self, engine: InferenceEngine, label: str):
         self._engine = engine
@@ -54,8 +63,15 @@ class LocalBackend:
         return format_prompt(self._engine.tokenizer, prefix, prompt)
 
     def submit(
-        self, prompts: list[str], params: SamplingParams, salt: str | None, share_cache: bool = True
+        self,
+        prompts: list[str],
+        params: SamplingParams,
+        salt: str | None,
+        share_cache: bool = True,
+        router: int | None = None,
     ) -> LocalRun:
+        if router is not None:
+            raise ValueError("an in-process engine has no router")
         salts: str | list[str] | None = salt
         if not share_cache:
             salts = [f"{salt or ''}/no-sharing/{uuid.uuid4().hex}" for _ in prompts]
@@ -95,6 +111,9 @@ class LocalBackend:
 
     def request_info(self, request_ids: list[int]) -> list[RequestInfo]:
         return self._engine.request_info(request_ids)
+
+    def served_by(self, request_ids: list[int]) -> dict[int, Served]:
+        return {}
 
     def decode(self, token_ids: tuple[int, ...] | list[int]) -> str:
         return self._engine.tokenizer.decode(list(token_ids))

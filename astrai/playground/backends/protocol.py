@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from astrai.observation import CacheSnapshot, CacheStats, EngineEvent, RequestInfo, StepSample
@@ -52,6 +52,59 @@ class RunFailed(BackendError):
     """A request of the run failed (a step that computed it raised, or the server answered an error)."""
 
 
+@dataclass(frozen=True)
+class Served:
+    """Which replica of a fleet served a request, and how that is known."""
+
+    replica: str  # the replica's label
+    source: str  # where that comes from ("its KV events")
+
+
+@dataclass(frozen=True)
+class RouterMetrics:
+    """What one read of a router's metrics said; empty maps where it sent nothing."""
+
+    decisions: dict[str, int] = field(default_factory=dict)  # replica URL -> requests routed there
+    prefix_outcomes: dict[str, int] = field(default_factory=dict)  # prefix-aware decisions by outcome
+    healthy: dict[str, bool] = field(default_factory=dict)  # replica URL -> the router's health check
+    running: dict[str, int] = field(default_factory=dict)  # replica URL -> requests running there
+    policies: frozenset[str] = frozenset()
+
+
+class ReplicaView(Protocol):
+    """One replica of a fleet, observed on its own: the observation half of ``Backend``, for that server alone."""
+
+    name: str  # "replica 1"
+    url: str
+
+    @property
+    def label(self) -> str: ...
+
+    @property
+    def unreachable(self) -> str | None: ...
+
+    @property
+    def caveat(self) -> str | None: ...
+
+    def stats(self) -> CacheStats: ...
+
+    def snapshot(self) -> CacheSnapshot: ...
+
+    def history(self, after_step: int) -> list[StepSample]: ...
+
+
+class RouterView(Protocol):
+    """A router in front of a fleet: its policy and what its metrics say (None while they cannot be read)."""
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def policy(self) -> str: ...
+
+    def metrics(self) -> RouterMetrics | None: ...
+
+
 class Run(Protocol):
     """One batch of prompts in flight. Iterating yields ``(panel index, text delta)``; ``close`` cancels."""
 
@@ -81,15 +134,33 @@ class Backend(Protocol):
         """Why the page map may be incomplete now (a vLLM server's resync, KV events it missed); None when whole."""
         ...
 
+    @property
+    def replicas(self) -> tuple[ReplicaView, ...]:
+        """A fleet's replicas, each observed on its own; () for one cache (the backend's own observation)."""
+        ...
+
+    @property
+    def routers(self) -> tuple[RouterView, ...]:
+        """The routers runs can go through (a fleet); ()."""
+        ...
+
     def format_prompt(self, prefix: str, prompt: str) -> str:
         """The text that reaches the model: instruct models get their chat template, base models ``prefix + prompt``."""
         ...
 
-    def submit(self, prompts: list[str], params: SamplingParams, salt: str | None, share_cache: bool = True) -> Run:
+    def submit(
+        self,
+        prompts: list[str],
+        params: SamplingParams,
+        salt: str | None,
+        share_cache: bool = True,
+        router: int | None = None,
+    ) -> Run:
         """Start every prompt at once (one batch); bad input raises ``ValueError``/``TypeError`` before any runs.
 
         ``salt`` gives the run its own prefix-cache namespace; ``share_cache=False`` gives each prompt a fresh one,
-        so nothing is reused, not even within the batch (prefix caching off, for comparisons).
+        so nothing is reused, not even within the batch (prefix caching off, for comparisons). ``router``: the index
+        of the router in ``routers`` the run goes through (default: the first, where there is one).
         """
         ...
 
@@ -108,6 +179,10 @@ class Backend(Protocol):
     def history(self, after_step: int) -> list[StepSample]: ...
 
     def request_info(self, request_ids: list[int]) -> list[RequestInfo]: ...
+
+    def served_by(self, request_ids: list[int]) -> dict[int, Served]:
+        """Which replica served each request, where that is known (a fleet); {} otherwise."""
+        ...
 
     def decode(self, token_ids: tuple[int, ...] | list[int]) -> str: ...
 
@@ -191,6 +266,12 @@ class SingleServer:
         yield self._backend
 
     def view(self, profile: Profile, visitors: int) -> EngineView:
+        if self._backend.replicas:
+            return EngineView(
+                name=f"a fleet of {len(self._backend.replicas)} vLLM replicas",
+                description="each with its own pool, behind vLLM's router",
+                visitors=visitors,
+            )
         return EngineView(
             name="the server's own pool", description="its pool and batch are the server's", visitors=visitors
         )

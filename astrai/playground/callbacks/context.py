@@ -9,6 +9,7 @@ import gradio as gr
 from astrai.observation import RequestInfo
 from astrai.playground.backends.protocol import Backend, Engines
 from astrai.playground.callbacks.pacing import StreamingRuns
+from astrai.playground.scenarios import Lesson
 from astrai.playground.state import ShownRun, Visitors
 from astrai.playground.ui.components import Components
 
@@ -24,6 +25,7 @@ class Context:
     visitors: Visitors
     ui: Components
     runs: StreamingRuns
+    lesson: Lesson  # the scenarios and guided steps this deployment offers
 
 
 def session_of(request: gr.Request) -> str:

@@ -15,7 +15,7 @@ from astrai.observation import PageEvicted
 from astrai.playground.backends.protocol import BackendError
 from astrai.playground.callbacks.context import QUIET, Context, panel_label, session_of
 from astrai.playground.callbacks.run import RunCallbacks
-from astrai.playground.views import charts, pages, series, text, tree
+from astrai.playground.views import charts, fleet, pages, series, text, tree
 
 MAX_GHOSTS = 64  # evicted pages kept for the tree's next drawing
 OCCUPANCY_STREAMING_S = 4.0  # while the visitor's own text streams, the occupancy chart is redrawn this seldom
@@ -69,6 +69,9 @@ class LiveCallbacks:
             evicted=((() if fresh else previous.evicted) + tuple(evicted))[-MAX_GHOSTS:],
         )
         line = f"{text.engine_line(view, backend.label)}  \n{text.stats_line(stats, backend.derived, backend.caveat)}"
+        states = _replica_states(backend)
+        if states:
+            line += "  \n" + fleet.fleet_line(states, [(r.policy, r.metrics()) for r in backend.routers])
         update: dict = {cache.stats: line}
         if visitor.streaming_since is not None or previous.badges:
             badges = self.runs.details(visitor, highlights=False)
@@ -79,6 +82,8 @@ class LiveCallbacks:
         update[cache.cursor] = now
         if not visitor.following or (quiet and previous.settled):  # replaying, or nothing moved: no redraw
             return update
+        if states:
+            return update | self._draw_fleet(backend, states, session, visitor.streaming_since, now)
         return update | self._draw(backend, session, visitor.streaming_since, fresh or quiet, evicted, now, stats)
 
     def _draw(self, backend, session, streaming_since, everything, evicted, cursor: LiveCursor, stats) -> dict:
@@ -111,6 +116,37 @@ class LiveCallbacks:
                 drawn = replace(drawn, evicted=())
         return update | {cache.cursor: drawn}
 
+    def _draw_fleet(self, backend, states, session: str, streaming_since: float | None, cursor: LiveCursor) -> dict:
+        """A fleet: each replica's page map, and occupancy and hit rate with a line per replica. The same budget
+        as ``_draw``: while the visitor's text streams, the page maps each tick and occupancy every
+        ``OCCUPANCY_STREAMING_S``; otherwise the two in view each tick, and the hit rate, the cached blocks and the
+        prefix tree of every replica's blocks in turn."""
+        cache, now, wall = self.ui.cache, time.time(), time.monotonic()
+        maps, lines = [], []
+        for replica, state in zip(backend.replicas, states, strict=True):
+            if state.stats is None:
+                maps.append((state, None))
+                continue
+            records = replica.snapshot().pages
+            owners = self.ctx.visitors.owners(sorted(_requests(records)))
+            maps.append((state, pages.page_views(records, owners, session, set(), backend.decode)))
+            lines.append((state.name, series.series(replica.history(0), state.stats, now)))
+        update: dict = {cache.page_map: fleet.replica_page_maps(maps, panel_label)}
+        if streaming_since is not None and wall - max(streaming_since, cursor.occupancy_at) < OCCUPANCY_STREAMING_S:
+            return update
+        update[cache.occupancy] = fleet.replica_occupancy(lines)
+        if streaming_since is None:
+            if cursor.tick % 3 == 0:
+                update[cache.hit_rate] = fleet.replica_hit_rates(lines)
+            elif cursor.tick % 3 == 1:
+                update[cache.lru] = fleet.replica_cached(lines)
+            else:
+                records = backend.snapshot().pages
+                owners = self.ctx.visitors.owners(sorted(_requests(records)))
+                shape = tree.prefix_tree(records, [], owners, session, backend.decode)
+                update[cache.prefix_tree] = charts.prefix_tree(shape, panel_label)
+        return update | {cache.cursor: replace(cursor, occupancy_at=wall)}
+
     def wire(self, demo: gr.Blocks) -> None:
         cache = self.ui.cache
         outputs = [cache.page_map, cache.occupancy, cache.lru, cache.hit_rate, cache.prefix_tree, cache.stats]
@@ -127,6 +163,18 @@ class LiveCallbacks:
             self.refresh, cache.cursor, outputs, api_visibility="undocumented", concurrency_limit=8, **QUIET
         )
         demo.load(self.refresh, cache.cursor, outputs, api_visibility="private", **QUIET)
+
+
+def _replica_states(backend) -> list[fleet.ReplicaState]:
+    """Each replica of a fleet with its stats, or why it cannot be read now; [] for one cache."""
+    states = []
+    for replica in backend.replicas:
+        try:
+            stats, why = replica.stats(), None
+        except BackendError as exc:
+            stats, why = None, str(exc)
+        states.append(fleet.ReplicaState(replica.name, replica.label, stats, why))
+    return states
 
 
 def _requests(records) -> set[int]:

@@ -23,7 +23,7 @@ from astrai.playground.scenarios import FOLLOW_UP
 from astrai.playground.state import ShownRun, Visitor
 from astrai.playground.ui.components import MAX_PANELS, by_name
 from astrai.playground.ui.layout import MAX_NEW_TOKENS, MAX_PROMPT_CHARS
-from astrai.playground.views import charts, replay, text
+from astrai.playground.views import charts, fleet, replay, text
 from astrai.sampling import SamplingParams
 
 RUN_CONCURRENCY = int(os.environ.get("ASTRAI_RUN_CONCURRENCY", 32))  # runs streaming at once (more wait in the queue)
@@ -152,6 +152,11 @@ class RunCallbacks:
         update: dict = {
             badge: text.badge(infos[i] if i < len(infos) else None) for i, badge in enumerate(panels.badges)
         }
+        if backend is not None and backend.replicas:  # a fleet: each badge names the replica that served it
+            served = backend.served_by(list(shown.request_ids))
+            for badge, rid, info in zip(panels.badges, shown.request_ids, infos, strict=False):
+                if info is not None:
+                    update[badge] += " · " + fleet.served_text(served.get(rid))
         if not highlights or backend is None:
             return update
         update[self.ui.cache.table] = text.request_rows(infos, list(shown.prompts))

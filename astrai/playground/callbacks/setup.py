@@ -14,25 +14,30 @@ import gradio as gr
 from astrai.playground.backends.profiles import EngineSettings, Profile
 from astrai.playground.backends.protocol import BackendError, EngineLimitReached
 from astrai.playground.callbacks.context import QUIET, Context, session_of
-from astrai.playground.scenarios import LESSON, LESSON_PROFILES, SCENARIO_BY_NAME, SCENARIOS, lesson_note
+from astrai.playground.scenarios import LESSON_PROFILES, SCENARIO_BY_NAME, Lesson
 from astrai.playground.ui.components import MAX_PANELS, by_name, fixed
 
-# Outline the view a lesson step talks about (an inline style: no stylesheet to ship). The step number is read back
-# from the note ("**Lesson 3/6: ...") because a gr.State never reaches the browser.
-HIGHLIGHT_JS = (
-    "(note) => { const ids = "
-    + json.dumps([step.look_at for step in LESSON])
-    + "; for (const id of ids) { const e = document.getElementById(id); if (e) e.style.outline = ''; }"
-    " const m = /Lesson (\\d+)\\//.exec(note || ''); const e = m && document.getElementById(ids[m[1] - 1]);"
-    " if (e) { e.style.outline = '3px solid #f59e0b'; e.scrollIntoView({block: 'nearest'}); } }"
-)
+
+def highlight_js(lesson: Lesson) -> str:
+    """Outline the view a lesson step talks about (an inline style: no stylesheet to ship). The step number is read
+    back from the note ("**Lesson 3/6: ...") because a gr.State never reaches the browser."""
+    return (
+        "(note) => { const ids = "
+        + json.dumps([step.look_at for step in lesson.steps])
+        + "; for (const id of ids) { const e = document.getElementById(id); if (e) e.style.outline = ''; }"
+        " const m = /Lesson (\\d+)\\//.exec(note || ''); const e = m && document.getElementById(ids[m[1] - 1]);"
+        " if (e) { e.style.outline = '3px solid #f59e0b'; e.scrollIntoView({block: 'nearest'}); } }"
+    )
+
+
 CUSTOM_NAME = "your own settings"
 
 
 class SetupCallbacks:
     def __init__(self, ctx: Context):
         self.ctx, self.ui = ctx, ctx.ui
-        self.known = {p: p for p in (ctx.engines.default, *LESSON_PROFILES, *(s.profile for s in SCENARIOS))}
+        profiles = (ctx.engines.default, *LESSON_PROFILES, *(s.profile for s in ctx.lesson.scenarios))
+        self.known = {p: p for p in profiles}
 
     def load_scenario(self, name, request: gr.Request, progress=gr.Progress()) -> dict:  # noqa: B008 - gradio injects it
         scenario = SCENARIO_BY_NAME.get(name)
@@ -52,10 +57,11 @@ class SetupCallbacks:
 
     def lesson(self, index, delta: int, request: gr.Request, progress=gr.Progress()) -> dict:  # noqa: B008
         """Move through the guided lesson: load the step's scenario and say what to look at."""
-        i = min(max(int(index or 0) + delta, 0), len(LESSON) - 1)
-        step, setup = LESSON[i], self.ui.setup
+        steps = self.ctx.lesson.steps
+        i = min(max(int(index or 0) + delta, 0), len(steps) - 1)
+        step, setup = steps[i], self.ui.setup
         update = self.load_scenario(step.scenario, request, progress)
-        return update | {setup.lesson_step: i, setup.scenario: step.scenario, setup.note: lesson_note(i)}
+        return update | {setup.lesson_step: i, setup.scenario: step.scenario, setup.note: self.ctx.lesson.note(i)}
 
     def apply_settings(self, values: dict[str, Any], request: gr.Request, progress=gr.Progress()) -> dict:  # noqa: B008
         """The visitor's own engine: a profile of these settings (shared with visitors who chose the same)."""
@@ -152,8 +158,8 @@ class SetupCallbacks:
                 concurrency_limit=4,
                 concurrency_id="setup",
                 show_progress_on=setup.note,
-            ).then(fn=None, inputs=setup.note, js=HIGHLIGHT_JS)
-        demo.load(fn=None, inputs=setup.note, js=HIGHLIGHT_JS)  # a fresh page: the first step's view outlined
+            ).then(fn=None, inputs=setup.note, js=highlight_js(self.ctx.lesson))
+        demo.load(fn=None, inputs=setup.note, js=highlight_js(self.ctx.lesson))  # a fresh page: the first step outlined
         inputs, apply = by_name(ui.engine_fields(), self.apply_settings)
         engine.apply.click(
             apply,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import gradio as gr
+from astrai.playground.callbacks.routing import RoutingCallbacks
 
 from astrai.playground.backends.protocol import Engines
 from astrai.playground.callbacks.context import Context
@@ -13,6 +14,7 @@ from astrai.playground.callbacks.pacing import StreamingRuns
 from astrai.playground.callbacks.replay import ReplayCallbacks
 from astrai.playground.callbacks.run import RunCallbacks
 from astrai.playground.callbacks.setup import SetupCallbacks
+from astrai.playground.scenarios import Lesson
 from astrai.playground.state import Visitors
 from astrai.playground.ui.layout import build_layout
 
@@ -22,12 +24,15 @@ QUEUE_SIZE = 64  # waiting events beyond this get an immediate "queue is full" a
 def build_demo(engines: Engines) -> gr.Blocks:
     with gr.Blocks(title="AstrAI playground: see the KV cache", analytics_enabled=False) as demo:
         choices = list(engines.model_choices())
-        ui = build_layout(engines.default, choices, engines.chooses_pools)
-        ctx = Context(engines, Visitors(engines.default), ui, StreamingRuns())
+        default = engines.backend(engines.default)
+        lesson = Lesson.for_deployment(len(default.routers) if default is not None else 0)
+        ui = build_layout(engines.default, choices, engines.chooses_pools, lesson)
+        ctx = Context(engines, Visitors(engines.default), ui, StreamingRuns(), lesson)
         runs = RunCallbacks(ctx)
         runs.wire()
         LiveCallbacks(ctx, runs).wire(demo)
         ReplayCallbacks(ctx).wire()
         SetupCallbacks(ctx).wire(demo)
+        RoutingCallbacks(ctx).wire()
     demo.queue(max_size=int(os.environ.get("ASTRAI_QUEUE_SIZE", QUEUE_SIZE)), default_concurrency_limit=2)
     return demo

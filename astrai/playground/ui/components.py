@@ -45,6 +45,7 @@ class RunButtons:
     follow_up: gr.Button
     compare: gr.Button
     clear: gr.Button
+    routing: gr.Button  # Compare routing: shown only for a fleet behind two routers
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,8 @@ class CacheViews:
     table: gr.DataFrame
     savings: gr.Plot
     savings_note: gr.Markdown
+    routing: gr.Plot  # the routing comparison (a fleet behind two routers)
+    routing_note: gr.Markdown
     live_charts: gr.Checkbox
     cursor: gr.State  # the live view's ``LiveCursor``
     timer: gr.Timer
@@ -98,7 +101,7 @@ class Setup:
     note: gr.Markdown
     lesson_prev: gr.Button
     lesson_next: gr.Button
-    lesson_step: gr.State  # the step shown, an index into LESSON (the page opens on the first)
+    lesson_step: gr.State  # the step shown, an index into the lesson's steps (the page opens on the first)
     engine: EngineForm
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import gradio as gr
 
 from astrai.playground.backends.profiles import BATCH_SIZES, DTYPES, PAGE_SIZES, POOL_PAGES, Profile
-from astrai.playground.scenarios import LESSON, SCENARIO_BY_NAME, SCENARIOS, lesson_note
+from astrai.playground.scenarios import SCENARIO_BY_NAME, Lesson
 from astrai.playground.ui.components import (
     MAX_PANELS,
     CacheViews,
@@ -40,6 +40,7 @@ CAPTIONS = {
     "hit_rate": text.HIT_RATE_CAPTION,
     "tree": "Every cached page under the page its key chains from: prompts share a branch as long as they share "
     "full pages. Text is shown for your own pages only.",
+    "routing": "Press **Compare routing** to send the tenants' waves through each router, each pass on a cold cache.",
 }
 INTRO = (
     "### AstrAI playground: watch a KV cache reuse work\n"
@@ -48,15 +49,18 @@ INTRO = (
 )
 
 
-def build_layout(default: Profile, model_choices: list[str], chooses_pools: bool) -> Components:
-    """Every component, inside the caller's ``gr.Blocks``."""
-    first = SCENARIO_BY_NAME[LESSON[0].scenario]
+def build_layout(default: Profile, model_choices: list[str], chooses_pools: bool, lesson: Lesson) -> Components:
+    """Every component, inside the caller's ``gr.Blocks``. ``lesson``: the scenarios and steps this deployment
+    offers (a fleet behind two routers adds routing, and its button and chart)."""
+    first = SCENARIO_BY_NAME[lesson.steps[0].scenario]
+    routing = any(s.look_at == "routing" for s in lesson.steps)
+    routing_button = gr.Button("Compare routing", variant="primary", elem_id="route_btn", render=False)
     gr.Markdown(INTRO)
     with gr.Row(equal_height=False):
         with gr.Column(scale=3, min_width=640):
             with gr.Row():
                 scenario = gr.Dropdown(
-                    [s.name for s in SCENARIOS], value=first.name, label="Scenario", elem_id="scenario", scale=2
+                    [s.name for s in lesson.scenarios], value=first.name, label="Scenario", elem_id="scenario", scale=2
                 )
                 n_panels = gr.Slider(
                     1, MAX_PANELS, value=len(first.prompts), step=1, label="Panels", elem_id="n_panels", scale=1
@@ -71,6 +75,7 @@ def build_layout(default: Profile, model_choices: list[str], chooses_pools: bool
                     follow_up=gr.Button("Follow-up turn", elem_id="follow_btn", min_width=120),
                     compare=gr.Button("Compare with caching off", elem_id="compare_btn", min_width=180),
                     clear=gr.Button("Clear cache", elem_id="clear_btn", min_width=100),
+                    routing=routing_button,
                 )
             shared_prefix = gr.Textbox(
                 first.prefix,
@@ -82,7 +87,7 @@ def build_layout(default: Profile, model_choices: list[str], chooses_pools: bool
             )
             panels = _panels(first.prompts)
         with gr.Column(scale=2, min_width=420):
-            note = gr.Markdown(lesson_note(0), elem_id="scenario_note")  # beside the views it points at
+            note = gr.Markdown(lesson.note(0), elem_id="scenario_note")  # beside the views it points at
             page_map = gr.Plot(elem_id="page_map", show_label=False)
             occupancy = gr.Plot(elem_id="plot_0", show_label=False)
             stats = gr.Markdown(elem_id="stats")
@@ -101,6 +106,12 @@ def build_layout(default: Profile, model_choices: list[str], chooses_pools: bool
         with gr.Column(scale=2):
             savings = gr.Plot(elem_id="savings", show_label=False)
             savings_note = gr.Markdown(elem_id="savings_note")
+    with gr.Row(equal_height=False, visible=routing, elem_id="routing"):
+        with gr.Column(scale=3):
+            routing_plot = gr.Plot(elem_id="routing_chart", show_label=False)
+        with gr.Column(scale=2):
+            routing_button.render()  # beside the chart it fills (the lesson step scrolls here)
+            routing_note = gr.Markdown(CAPTIONS["routing"], elem_id="routing_note")
     gr.Markdown(f"<small>{CAPTIONS['page_map']} {CAPTIONS['occupancy']}</small>")
     highlights = _highlights()
     with gr.Accordion("Sampling and options", open=False), gr.Row():
@@ -129,6 +140,8 @@ def build_layout(default: Profile, model_choices: list[str], chooses_pools: bool
             table=table,
             savings=savings,
             savings_note=savings_note,
+            routing=routing_plot,
+            routing_note=routing_note,
             live_charts=live_charts,
             cursor=gr.State(None),
             timer=gr.Timer(REFRESH_SECONDS),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import html
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -170,16 +171,28 @@ def _shared(p: PageView) -> bool:
     return p.ref_count > 1 if p.ref_count is not None else len(p.panels) + p.other_users > 1
 
 
-def page_map(pages: Sequence[PageView], panel_label: Callable[[int], str], title: str = "Page map") -> go.Figure:
-    """Every page as a cell; shared in-use pages carry an x. Rows past the last non-free page are left out (the
-    pool hands out its lowest free page first, so the used range is packed at the top)."""
+@dataclass(frozen=True)
+class PageGrid:
+    """A pool's pages laid out as cells: the palette index and hover text of each, and where the x marks go."""
+
+    z: list[list[int | None]]
+    hover: list[list[str]]
+    shared: tuple[list[int], list[int]]  # columns and rows of shared in-use pages
+    rows: int
+    cols: int
+    shown: str  # which pages the grid holds, in words
+
+
+def page_grid(pages: Sequence[PageView], panel_label: Callable[[int], str], cols: int | None = None) -> PageGrid:
+    """Rows past the last non-free page are left out (a pool hands out its lowest free page first, so the used
+    range is packed at the top)."""
     n = len(pages)
-    cols = max(8, math.ceil(math.sqrt(n * 3)))
+    cols = cols or max(8, math.ceil(math.sqrt(n * 3)))
     busy = [p.page for p in pages if p.state != "free" or p.just_evicted]
-    rows = min(math.ceil(n / cols), max(MIN_ROWS, (max(busy, default=0) // cols) + 2))
+    rows = max(1, min(math.ceil(n / cols), max(MIN_ROWS, (max(busy, default=0) // cols) + 2)))
     pages = [p for p in pages if p.page < rows * cols]
     shown = f"pages 0–{min(rows * cols, n) - 1} of {n}; the rest are free" if rows * cols < n else f"{n} pages"
-    z = [[None] * cols for _ in range(rows)]
+    z: list[list[int | None]] = [[None] * cols for _ in range(rows)]
     hover = [[""] * cols for _ in range(rows)]
     cached_total = sum(p.state == "cached" for p in pages)
     shared_x, shared_y = [], []
@@ -189,10 +202,15 @@ def page_map(pages: Sequence[PageView], panel_label: Callable[[int], str], title
         if p.state == "in_use" and _shared(p):
             shared_x.append(c)
             shared_y.append(r)
-    fig = go.Figure(
+    return PageGrid(z, hover, (shared_x, shared_y), rows, cols, shown)
+
+
+def page_cells(grid: PageGrid) -> list[go.BaseTraceType]:
+    """The grid's traces: the cells, then the x marks on shared pages."""
+    return [
         go.Heatmap(
-            z=z,
-            text=hover,
+            z=grid.z,
+            text=grid.hover,
             hoverinfo="text",
             zmin=-0.5,
             zmax=len(PALETTE) - 0.5,
@@ -200,25 +218,29 @@ def page_map(pages: Sequence[PageView], panel_label: Callable[[int], str], title
             ygap=2,
             colorscale=_discrete_colorscale(PALETTE),
             showscale=False,
-        )
-    )
-    fig.add_trace(
+        ),
         go.Scatter(
-            x=shared_x,
-            y=shared_y,
+            x=grid.shared[0],
+            y=grid.shared[1],
             mode="markers",
             hoverinfo="skip",
             marker=dict(symbol="x-thin", size=8, line=dict(width=2, color="white")),
-        )
-    )
+        ),
+    ]
+
+
+def page_map(pages: Sequence[PageView], panel_label: Callable[[int], str], title: str = "Page map") -> go.Figure:
+    """Every page as a cell; shared in-use pages carry an x."""
+    grid = page_grid(pages, panel_label)
+    fig = go.Figure(page_cells(grid))
     fig.update_xaxes(visible=False)
     fig.update_yaxes(visible=False, autorange="reversed", scaleanchor="x")
     fig.update_layout(
-        height=min(PAGE_MAP_HEIGHT, 60 + rows * max(12, 420 // cols)),
+        height=min(PAGE_MAP_HEIGHT, 60 + grid.rows * max(12, 420 // grid.cols)),
         margin=dict(l=5, r=5, t=32, b=5),
         **PLAIN,
         showlegend=False,
-        title=dict(text=f"{title} ({shown}; x = shared)", font=dict(size=13)),
+        title=dict(text=f"{title} ({grid.shown}; x = shared)", font=dict(size=13)),
         uirevision="keep",
     )
     return fig

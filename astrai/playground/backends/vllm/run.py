@@ -90,18 +90,26 @@ def cache_salt(salt: str) -> str:
 
 
 def completion_payload(
-    model: str, prompt: str, params: SamplingParams, request: _Request, salt: str | None
+    model: str, prompt: str, params: SamplingParams, request: _Request, salt: str | None, routed: bool = False
 ) -> dict[str, Any]:
     """The ``completions.create`` arguments of one panel: streamed with usage and token ids, with the request's
-    ``vllm_id`` as vLLM's ``request_id`` and ``salt`` (when given) as its ``cache_salt``."""
-    extra: dict[str, Any] = {"return_token_ids": True, "request_id": request.vllm_id}
+    ``vllm_id`` as vLLM's ``request_id`` and as its ``session_id`` (vLLM stamps it on the KV events the request
+    causes), and ``salt`` (when given) as its ``cache_salt``.
+
+    ``routed`` (through vLLM's router, to a fleet): the prompt goes as its token ids when they are known, since the
+    router's prefix-aware policies match tokens and skip a text prompt ("missing_tokens"); and the request asks
+    for ``kv_cache_report_mode: full``, so the replica that serves it names it in its events even when every block
+    it needs was cached (a reuse report), which is how a panel learns its replica."""
+    extra: dict[str, Any] = {"return_token_ids": True, "request_id": request.vllm_id, "session_id": request.vllm_id}
     if params.top_k:
         extra["top_k"] = params.top_k
     if salt:
         extra["cache_salt"] = salt
+    if routed:
+        extra["vllm_xargs"] = {"kv_cache_report_mode": "full"}
     payload: dict[str, Any] = dict(
         model=model,
-        prompt=prompt,
+        prompt=list(request.prompt_ids) if routed and request.prompt_ids else prompt,
         max_tokens=params.max_tokens,
         temperature=params.temperature,
         top_p=params.top_p,

@@ -59,6 +59,15 @@ def _int(value: float | None) -> int | None:
     return None if value is None else int(value)
 
 
+class Clock:
+    """Step and event numbers, shared by the samplers of one backend (a fleet's replicas), so that their samples
+    and events merge into one order. Advanced only under the backend's lock."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.seq = 0
+
+
 class Sampler:
     """Samples the server into ``StepSample``s, events and pages; answers the backend's observation methods.
 
@@ -76,7 +85,9 @@ class Sampler:
         outcomes: dict[str, int],
         subscriber: Any,
         every_s: float,
+        clock: Clock | None = None,
     ):
+        """``clock``: the step and event numbers to draw from (a fleet's replicas share one); by default its own."""
         self._http, self._url, self._model = http, url, model
         self._lock, self._requests, self._outcomes = lock, requests, outcomes
         self._subscriber = subscriber
@@ -85,8 +96,8 @@ class Sampler:
         self._metrics: VllmMetrics | None = None
         self._metrics_at = 0.0
         self._unreachable: str | None = None
-        self._step = 0
-        self._seq = 0
+        self._clock = clock or Clock()
+        self._step = 0  # the step of this sampler's newest sample
         self._samples: deque[StepSample] = deque(maxlen=KEEP_SAMPLES)
         self._events: deque[EngineEvent] = deque(maxlen=KEEP_EVENTS)
         self._pages = BlockPages()
@@ -256,11 +267,12 @@ class Sampler:
             if not moved:
                 return
             previous = self._samples[-1].time if self._samples else now - self._every_s
-            self._step += 1
-            step = self._step
+            clock = self._clock
+            clock.step += 1
+            step = self._step = clock.step
             for event in events:
-                self._seq += 1
-                self._events.append(event(self._seq, step))
+                clock.seq += 1
+                self._events.append(event(clock.seq, step))
             self._samples.append(
                 StepSample(
                     step=step,
@@ -282,4 +294,4 @@ class Sampler:
             )
 
 
-__all__ = ["SAMPLE_EVERY_S", "Sampler"]
+__all__ = ["SAMPLE_EVERY_S", "Clock", "Sampler"]

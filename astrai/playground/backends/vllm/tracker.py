@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from types import MappingProxyType
@@ -117,10 +118,14 @@ class BlockTracker:
     feed while others read.
     """
 
-    def __init__(self, recent_removed: int = 512, remember_seqs: int = 16384) -> None:
+    def __init__(self, recent_removed: int = 512, remember_seqs: int = 16384, remember_sessions: int = 4096) -> None:
         self._lock = threading.Lock()
         self._recent_limit = recent_removed
         self._remember_limit = remember_seqs
+        self._sessions_limit = remember_sessions
+        # session id -> seq of the last batch whose BlockStored named it (a store, or a "full"-mode reuse report):
+        # which requests this publisher's engine served. Kept across resets: a restart does not undo what was served.
+        self._sessions: OrderedDict[str, int] = OrderedDict()
         self._reset_state()
         self._counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
 
@@ -222,6 +227,11 @@ class BlockTracker:
         hashes = event.block_hashes
         if not hashes:
             return
+        if event.session_id:
+            self._sessions.pop(event.session_id, None)
+            self._sessions[event.session_id] = seq
+            while len(self._sessions) > self._sessions_limit:
+                self._sessions.popitem(last=False)
         self._block_size = event.block_size
         blocks = self._blocks
         if event.parent_block_hash is None and all(h in blocks for h in hashes):
@@ -273,6 +283,12 @@ class BlockTracker:
             self._removed.popitem(last=False)
 
     # -- reads --
+
+    def sessions_seen(self, session_ids: Iterable[str]) -> set[str]:
+        """Those of ``session_ids`` that a ``BlockStored`` of this publisher named (the newest
+        ``remember_sessions``): the requests whose blocks this engine stored or reused."""
+        with self._lock:
+            return {s for s in session_ids if s in self._sessions}
 
     def snapshot(self) -> TrackerSnapshot:
         with self._lock:

@@ -1,0 +1,95 @@
+"""Compare routing: the panels' prompts as tenants, sent in waves through each router of a fleet, side by side.
+
+Each tenant (panel) sends one request per wave, all tenants of a wave at once; the waves go through one router,
+then the same waves through the next. Every pass runs in a prefix-cache namespace of its own (a fresh
+``cache_salt``), so each starts cold and no pass is helped by another's blocks. What is compared is what the
+servers reported: each request's prompt and cached tokens (its usage), the replica its KV events name, and the
+TTFT this client measured.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import gradio as gr
+
+from astrai.playground.backends.protocol import Backend, BackendError
+from astrai.playground.callbacks.context import Context, session_of
+from astrai.playground.callbacks.run import parse_batch
+from astrai.playground.scenarios import ROUTING_WAVES
+from astrai.playground.ui.components import by_name
+from astrai.playground.views import fleet
+from astrai.sampling import SamplingParams
+
+MAX_TOKENS = 16  # the comparison is about prefill: short answers keep a pass to seconds
+SERVED_WAIT_S = 3.0  # how long to wait for the replicas' events to name a pass's requests
+
+
+class RoutingCallbacks:
+    def __init__(self, ctx: Context):
+        self.ctx, self.ui = ctx, ctx.ui
+
+    def compare_routing(self, values: dict[str, Any], request: gr.Request, progress=gr.Progress()) -> dict:  # noqa: B008
+        batch, session = parse_batch(values), session_of(request)
+        visitor = self.ctx.visitors.act(session)
+        params = SamplingParams(max_tokens=min(batch.params.max_tokens, MAX_TOKENS), temperature=0.0)
+        answers = [""] * len(batch.prompts)
+        results = []
+        try:
+            with self.ctx.engines.run_on(visitor.profile) as backend:
+                if len(backend.routers) < 2:
+                    raise gr.Error("Compare routing needs a fleet behind two routers (see README: a vLLM fleet).")
+                for index, router in enumerate(backend.routers):
+                    progress(index / len(backend.routers), desc=f"through the {router.policy} router")
+                    results.append(self._pass(backend, index, batch, params, session, answers))
+        except BackendError as exc:
+            raise gr.Error(str(exc)) from None
+        cache, outputs = self.ui.cache, self.ui.panels.outputs
+        update: dict = {cache.routing: fleet.routing_chart(results), cache.routing_note: fleet.routing_note(results)}
+        return update | {box: answers[i] if i < len(answers) else "" for i, box in enumerate(outputs)}
+
+    def _pass(self, backend: Backend, router: int, batch, params, session: str, answers: list[str]):
+        salt = f"routing/{session}/{uuid.uuid4().hex}"  # a namespace of its own: this pass starts cold
+        ids, tenants = [], []
+        for ending in ROUTING_WAVES:
+            prompts = [backend.format_prompt(batch.prefix, p + ending) for p in batch.prompts]
+            run = backend.submit(prompts, params, salt, router=router)
+            self.ctx.visitors.register(run.request_ids, session)  # the privacy rule: these pages are the visitor's
+            answers[:] = [""] * len(prompts)  # the panels show the last wave's answers
+            try:
+                for panel, delta in run:
+                    answers[panel] += delta
+            finally:
+                run.close()
+            ids += run.request_ids
+            tenants += range(len(prompts))
+        deadline = time.monotonic() + SERVED_WAIT_S
+        served = backend.served_by(ids)
+        while len(served) < len(ids) and time.monotonic() < deadline:  # the last blocks' events trail the stream
+            time.sleep(0.1)
+            served = backend.served_by(ids)
+        infos = {info.id: info for info in backend.request_info(ids)}
+        names = {rid: s.replica.split(" (")[0] for rid, s in served.items()}
+        return fleet.PolicyResult(
+            policy=backend.routers[router].policy,
+            infos=tuple(infos[r] for r in ids if r in infos),
+            served=tuple(names.get(r) for r in ids if r in infos),
+            tenants=tuple(t for r, t in zip(ids, tenants, strict=True) if r in infos),
+        )
+
+    def wire(self) -> None:
+        ui = self.ui
+        inputs, fn = by_name(ui.run_fields(), self.compare_routing)
+        outputs = [ui.cache.routing, ui.cache.routing_note, *ui.panels.outputs]
+        ui.buttons.routing.click(
+            fn,
+            inputs,
+            outputs,
+            api_name="compare_routing",
+            concurrency_limit=2,
+            concurrency_id="routing",
+            show_progress="minimal",
+            show_progress_on=ui.cache.routing_note,
+        )
