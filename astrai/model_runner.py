@@ -56,13 +56,20 @@ def _place(model: PreTrainedModel, dtype: torch.dtype, device: torch.device) -> 
     model served in bfloat16 holds both copies while it serves (1.5x its weights, however many engines share it),
     and a CPU model served on a GPU keeps its host copy. A model handed over already in the serving dtype and on the
     serving device changes nothing (``InferenceEngine.from_pretrained`` moves its fresh model before serving it).
+    All or nothing: a tensor that cannot move (a GPU too small for the model) puts back those moved before it.
     """
     changed = []
-    for tensor in [*model.parameters(), *model.buffers()]:
-        target = dtype if tensor.is_floating_point() else tensor.dtype
-        if tensor.dtype != target or tensor.device != device:
-            changed.append((tensor, tensor.data))
-            tensor.data = tensor.data.to(device=device, dtype=target)
+    try:
+        for tensor in [*model.parameters(), *model.buffers()]:
+            target = dtype if tensor.is_floating_point() else tensor.dtype
+            if tensor.dtype != target or tensor.device != device:
+                moved = tensor.data.to(device=device, dtype=target)
+                changed.append((tensor, tensor.data))
+                tensor.data = moved
+    except BaseException:
+        for tensor, original in changed:
+            tensor.data = original
+        raise
     return changed
 
 

@@ -99,6 +99,22 @@ def test_engines_sharing_a_model_must_agree_on_the_device(model, tokenizer, monk
         assert engine.runner.prepared.users == 1 and engine.generate(PROMPTS[0], max_tokens=2)
 
 
+def test_a_model_that_cannot_move_is_left_as_it_came(tokenizer):
+    """All or nothing: a tensor that cannot move (here one on the meta device, which has no data to copy; on a GPU,
+    one that no longer fits) puts back every tensor moved before it, so the model can serve elsewhere."""
+    model = make_model("llama", len(tokenizer))
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    model.register_buffer("no_data", torch.empty(1, device="meta"), persistent=False)  # the last tensor to move
+    with pytest.raises(NotImplementedError):
+        InferenceEngine(model, tokenizer, page_size=4, n_pages=16, dtype="bfloat16", device="cpu")
+    assert untouched(model)
+    del model.no_data
+    after = model.state_dict()
+    assert all(after[k].dtype == torch.float32 and torch.equal(after[k], before[k]) for k in before)
+    with InferenceEngine(model, tokenizer, page_size=4, n_pages=16, device="cpu") as engine:
+        assert engine.generate(PROMPTS[0], max_tokens=2)
+
+
 def test_every_tensor_of_a_step_lives_where_the_kv_does():
     """The meta device stands in for a GPU: a tensor of the step's metadata left on the host shows as cpu here."""
     kv_cache = [(torch.zeros(2, 64, 8, device="meta"), torch.zeros(2, 64, 8, device="meta"))]
