@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from astrai.device import to_device
 from astrai.paged_kernel import DecodeKernel
 
 ATTN_IMPLEMENTATION = "astrai_paged"
@@ -44,7 +45,10 @@ class PrefillChunk:
 
 @dataclass
 class PagedBatch:
-    """Where every token of one step lives in the paged KV cache. Built once per step, read by every layer."""
+    """Where every token of one step lives in the paged KV cache. Built once per step, read by every layer.
+
+    Every tensor lives where the KV tensors do (built on the host from the page tables, then copied over once).
+    """
 
     kv_cache: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K and V, each [kv_heads, slots, head_dim]
     slot_mapping: torch.Tensor  # [T] slot each new token's K/V is written to
@@ -64,7 +68,12 @@ def build_paged_batch(
     groups: int,
     decode_kernel: DecodeKernel | None = None,
 ) -> PagedBatch:
-    """``items`` holds, per request, (its page table, tokens already computed, tokens computed now)."""
+    """``items`` holds, per request, (its page table, tokens already computed, tokens computed now).
+
+    The page tables are Python lists, so the metadata is computed on the host and each tensor copied to the KV's
+    device without waiting for it (``to_device``); on the CPU nothing is copied.
+    """
+    device = kv_cache[0][0].device
     new_slots: list[torch.Tensor] = []
     decode_rows: list[int] = []
     decode_slots: list[torch.Tensor] = []
@@ -81,7 +90,7 @@ def build_paged_batch(
         else:
             mask = positions <= positions[done:].unsqueeze(1)
             mask = mask.expand(groups, count, context).reshape(groups * count, context)
-            prefills.append(PrefillChunk(row, count, slots, mask))
+            prefills.append(PrefillChunk(row, count, to_device(slots, device), to_device(mask, device)))
         row += count
     longest = max((len(s) for s in decode_slots), default=0)
     padded = torch.zeros(len(decode_slots), longest, dtype=torch.long)
@@ -94,12 +103,12 @@ def build_paged_batch(
             bias[0, i, :, len(slots) :] = float("-inf")
     return PagedBatch(
         kv_cache=kv_cache,
-        slot_mapping=torch.cat(new_slots),
-        decode_rows=torch.tensor(decode_rows, dtype=torch.long),
-        decode_table=padded,
-        decode_lengths=torch.tensor([len(s) for s in decode_slots], dtype=torch.long),
+        slot_mapping=to_device(torch.cat(new_slots), device),
+        decode_rows=to_device(torch.tensor(decode_rows, dtype=torch.long), device),
+        decode_table=to_device(padded, device),
+        decode_lengths=to_device(torch.tensor([len(s) for s in decode_slots], dtype=torch.long), device),
         decode_kernel=decode_kernel,
-        decode_bias=bias,
+        decode_bias=None if bias is None else to_device(bias, device),
         decode_covers_all=len(decode_rows) == row,
         prefills=prefills,
     )

@@ -16,8 +16,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from astrai.checkpoints import load_checkpoint
 from astrai.detokenizer import IncrementalDetokenizer
+from astrai.device import resolve_device, uses_openmp
 from astrai.kv_cache_manager import KVCacheManager
-from astrai.model_runner import SUPPORTED_DTYPES, ModelRunner, kv_bytes_per_token
+from astrai.model_runner import SUPPORTED_DTYPES, ModelRunner, Preparation, kv_bytes_per_token
 from astrai.observation import (
     CacheCleared,
     CacheSnapshot,
@@ -49,10 +50,15 @@ class RequestFailedError(RuntimeError):
 class InferenceEngine:
     """A paged-KV, prefix-caching, continuously batching engine over a transformers causal LM.
 
+    It runs on one device (``device``: CUDA where available, else the CPU; ``astrai/device.py``): the model's weights,
+    the KV tensors, each step's metadata and the sampling live there, and the sampled tokens come back to the host
+    once per step. The CPU-only speed-ups (``packed_weights``, ``attention_kernel``, OpenMP pool releases) are on by
+    default on the CPU and off elsewhere.
+
     A model already serving another engine is shared, not loaded or prepared again: each engine has its own pool,
     scheduler and KV tensors, and they take turns at the model's forward; the options that prepare the model
-    (``dtype``, ``packed_weights``, ``attention_kernel``, ``compile``) must then equal the first engine's, or the
-    constructor raises ``ValueError``. The last engine on the model to shut down hands it back as it came.
+    (``dtype``, ``device``, ``packed_weights``, ``attention_kernel``, ``compile``) must then equal the first engine's,
+    or the constructor raises ``ValueError``. The last engine on the model to shut down hands it back as it came.
 
     Threads and locks (who owns what):
 
@@ -91,8 +97,9 @@ class InferenceEngine:
         max_batched_tokens: int = 512,
         prefix_caching: bool = True,
         dtype: str = "float32",
-        packed_weights: bool = True,
-        attention_kernel: bool = True,
+        device: str | torch.device | None = None,
+        packed_weights: bool | None = None,
+        attention_kernel: bool | None = None,
         compile: bool = False,
         event_log_size: int = 4096,
         history_size: int = 4096,
@@ -110,16 +117,12 @@ class InferenceEngine:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        flags = {
-            "prefix_caching": prefix_caching,
-            "packed_weights": packed_weights,
-            "attention_kernel": attention_kernel,
-            "compile": compile,
-        }
-        for name, flag in flags.items():
+        for name, flag in (("prefix_caching", prefix_caching), ("compile", compile)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
         torch_dtype = SUPPORTED_DTYPES[dtype]
+        self.device = resolve_device(device)
+        preparation = Preparation.resolve(torch_dtype, self.device, packed_weights, attention_kernel, compile)
         if n_pages is None:
             budget = (memory_budget_mb or 256) * 2**20
             n_pages = int(budget // (page_size * kv_bytes_per_token(model.config, torch_dtype)))
@@ -142,7 +145,7 @@ class InferenceEngine:
         self.pool = PagePool(n_pages, page_size, emit=self._emit)
         self.cache = KVCacheManager(self.pool, prefix_caching)
         self.scheduler = Scheduler(self.cache, max_batch_size, max_batched_tokens, self._emit)
-        self.runner = ModelRunner(model, n_pages, page_size, torch_dtype, packed_weights, attention_kernel, compile)
+        self.runner = ModelRunner(model, n_pages, page_size, preparation)
 
         self._cancelled: set[int] = set()
         self._outputs: dict[int, tuple[queue.SimpleQueue, int, IncrementalDetokenizer]] = {}
@@ -152,16 +155,28 @@ class InferenceEngine:
         self._ended_counts: Counter[str] = Counter()
         self._closed = False
         self._loop_error: BaseException | None = None
-        release_pool()  # this thread prepared the model; its idle OpenMP workers would slow the loop's (openmp.py)
+        self._release_pool()  # this thread prepared the model; its idle OpenMP workers would slow the loop's
         self._thread = threading.Thread(target=self._loop, name="astrai-engine", daemon=True)
         self._thread.start()
 
     # ----- construction ---------------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, name_or_path: str, dtype: str = "float32", **options: Any) -> InferenceEngine:
-        """Load a safetensors checkpoint with transformers (never pickle, never remote code)."""
+    def from_pretrained(
+        cls, name_or_path: str, dtype: str = "float32", device: str | torch.device | None = None, **options: Any
+    ) -> InferenceEngine:
+        """Load a safetensors checkpoint with transformers (never pickle, never remote code).
+
+        The device is checked before anything loads; the fresh model is then moved there whole, so no host copy of
+        its weights outlives the load (an engine keeps the originals of a model it had to move, to hand it back).
+        """
+        target = resolve_device(device)
         model, tokenizer = load_checkpoint(name_or_path, dtype)
-        return cls(model, tokenizer, dtype=dtype, **options)
+        return cls(model.to(target), tokenizer, dtype=dtype, device=target, **options)
+
+    def _release_pool(self) -> None:
+        """Free the calling thread's idle OpenMP workers (``openmp.py``), where the engine computes on them."""
+        if uses_openmp(self.device):
+            release_pool()
 
     # ----- the public API -------------------------------------------------------------------------------
     def generate(
@@ -218,7 +233,7 @@ class InferenceEngine:
             self._make_request(i, ids, params, s) for i, (ids, s) in enumerate(zip(token_ids, salts, strict=True))
         ]
         items: queue.SimpleQueue = queue.SimpleQueue()
-        release_pool()  # the caller now waits on the engine: its idle OpenMP workers would slow the loop's
+        self._release_pool()  # the caller now waits on the engine: its idle OpenMP workers would slow the loop's
         with self._lock:
             self._check_alive()
             for index, req in enumerate(requests):
@@ -394,7 +409,7 @@ class InferenceEngine:
         generator = None
         if not params.greedy:
             seed = random.getrandbits(63) if params.seed is None else (params.seed + index) % (MAX_SEED + 1)
-            generator = torch.Generator().manual_seed(seed)
+            generator = torch.Generator(device=self.device).manual_seed(seed)  # noise is drawn where logits are
         return Request(prompt_ids=ids, params=params, cache_salt=salt, generator=generator)
 
     def _check_alive(self) -> None:
@@ -410,7 +425,7 @@ class InferenceEngine:
             while True:
                 with self._lock:
                     while not self._closed and not self._cancelled and not self.scheduler.has_work():
-                        release_pool()  # idle: free the OpenMP workers, which would slow other engines' steps
+                        self._release_pool()  # idle: free the OpenMP workers, which would slow other engines' steps
                         self._work_arrived.wait()
                     if self._closed:
                         return

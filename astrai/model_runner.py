@@ -1,12 +1,13 @@
 """Runs one step of a transformers causal LM over the paged KV cache.
 
 The model definition is transformers' own; serving it takes two parts. ``PreparedModel`` prepares the model in
-place, once for every engine built on it: it switches its attention implementation to ours and, unless told not to,
-fuses and packs its linear weights (``packed_linear.py``), picks the C kernel to attend decodes where it builds
-(``paged_kernel.py``), and with ``compile=True`` compiles the same fused, packed layers into one graph with the rest
-of the model (inductor freezing makes their weights constants). ``ModelRunner`` is one engine's: it owns that
-engine's KV tensors, flattens its scheduled requests into one ``[1, T]`` row and computes logits just for the rows
-that sample, through the prepared model it shares with any other engine on the same model object.
+place, once for every engine built on it: it moves its weights to the engine's device and dtype, switches its
+attention implementation to ours and, on the CPU unless told not to, fuses and packs its linear weights
+(``packed_linear.py``) and picks the C kernel to attend decodes where it builds (``paged_kernel.py``); with
+``compile=True`` it compiles the model (on the CPU, those fused, packed layers included) into one graph (inductor
+freezing makes the weights constants). ``ModelRunner`` is one engine's: it owns that engine's KV tensors (on the
+device), flattens its scheduled requests into one ``[1, T]`` row and computes logits just for the rows that sample,
+through the prepared model it shares with any other engine on the same model object.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from astrai.attention import ATTN_IMPLEMENTATION, PagedBatch, build_paged_batch, serving
+from astrai.device import resolve_cpu_speedup, to_device, uses_openmp
 from astrai.model_thread import SharedForwards
 from astrai.packed_linear import pack_linears, packing_supported, unpack_linears
 from astrai.paged_kernel import DecodeKernel, load_decode_kernel
@@ -46,19 +48,29 @@ def check_supported(config: PretrainedConfig) -> None:
         raise ValueError(f"{name}: only decoder-only causal LMs are supported")
 
 
-def _convert_floating(model: PreTrainedModel, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Cast the model's floating parameters and buffers to ``dtype`` in place; return (tensor, original data).
+def _place(model: PreTrainedModel, dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Move the model's parameters and buffers to ``device`` and cast the floating ones to ``dtype``, in place;
+    return (tensor, original data) for each one changed.
 
-    The originals are kept so ``PreparedModel.restore`` hands the exact weights back: a float32 model served in
-    bfloat16 holds both copies while it serves (1.5x its weights, however many engines share it). A checkpoint loaded
-    in the serving dtype converts nothing.
+    The originals are kept so ``PreparedModel.restore`` hands the exact weights back, where they were: a float32
+    model served in bfloat16 holds both copies while it serves (1.5x its weights, however many engines share it),
+    and a CPU model served on a GPU keeps its host copy. A model handed over already in the serving dtype and on the
+    serving device changes nothing (``InferenceEngine.from_pretrained`` moves its fresh model before serving it).
+    All or nothing: a tensor that cannot move (a GPU too small for the model) puts back those moved before it.
     """
-    converted = []
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if tensor.is_floating_point() and tensor.dtype != dtype:
-            converted.append((tensor, tensor.data))
-            tensor.data = tensor.data.to(dtype)
-    return converted
+    changed = []
+    try:
+        for tensor in [*model.parameters(), *model.buffers()]:
+            target = dtype if tensor.is_floating_point() else tensor.dtype
+            if tensor.dtype != target or tensor.device != device:
+                moved = tensor.data.to(device=device, dtype=target)
+                changed.append((tensor, tensor.data))
+                tensor.data = moved
+    except BaseException:
+        for tensor, original in changed:
+            tensor.data = original
+        raise
+    return changed
 
 
 def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:
@@ -69,18 +81,37 @@ def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class Preparation:
-    """How a model is prepared for serving: what every engine sharing one model must agree on."""
+    """How a model is prepared for serving: what every engine sharing one model must agree on.
+
+    The CPU-only speed-ups are resolved already (``device.resolve_cpu_speedup``): never True off the CPU.
+    """
 
     dtype: torch.dtype
-    packed_weights: bool = True
-    attention_kernel: bool = True
-    compile: bool = False
+    device: torch.device
+    packed_weights: bool
+    attention_kernel: bool
+    compile: bool
+
+    @classmethod
+    def resolve(
+        cls,
+        dtype: torch.dtype,
+        device: torch.device,
+        packed_weights: bool | None = None,
+        attention_kernel: bool | None = None,
+        compile: bool = False,
+    ) -> Preparation:
+        """The engine's options as a preparation: ``None`` speed-ups on where they apply, refused where they do not
+        (``ValueError``, ``device.resolve_cpu_speedup``)."""
+        packed = resolve_cpu_speedup("packed_weights", packed_weights, device)
+        kernel = resolve_cpu_speedup("attention_kernel", attention_kernel, device)
+        return cls(dtype, device, packed, kernel, compile)
 
     def differences(self, other: Preparation) -> list[str]:
         """``name=asked (serving: name=held)`` for each option that differs from ``other`` (the one being served)."""
         names = {v: k for k, v in SUPPORTED_DTYPES.items()}
         found = []
-        for field in ("dtype", "packed_weights", "attention_kernel", "compile"):
+        for field in ("dtype", "device", "packed_weights", "attention_kernel", "compile"):
             asked, held = getattr(self, field), getattr(other, field)
             if asked != held:
                 found.append(f"{field}={names.get(asked, asked)!s} (it serves with {names.get(held, held)!s})")
@@ -97,10 +128,11 @@ class PreparedModel:
 
     Who owns what, under which lock:
 
-    * The **preparation** (the converted dtype and the original tensors, the attention implementation, the packed
-      layers, the decode kernel choice, the compiled forward) is made by the first ``acquire`` and undone by the last
-      ``release``, both under the module's ``_prepared_lock``, which also guards the registry of prepared models and
-      each one's count of users. Between the two it is read-only: no engine changes the model while another uses it.
+    * The **preparation** (the weights moved to the device and dtype, and the original tensors, the attention
+      implementation, the packed layers, the decode kernel choice, the compiled forward) is made by the first
+      ``acquire`` and undone by the last ``release``, both under the module's ``_prepared_lock``, which also guards
+      the registry of prepared models and each one's count of users. Between the two it is read-only: no engine
+      changes the model while another uses it.
     * The **forward** goes through ``forwards`` (``SharedForwards``, ``model_thread.py``): one at a time, and while
       several engines on the model are busy, on its one model thread: the packed layers'
       ``FusedProduct`` keeps per-call state, a compiled graph is not safe for two threads at once, and one thread
@@ -131,7 +163,7 @@ class PreparedModel:
             kernel if kernel is not None and kernel.supports(dtype, self.groups, head_dim) else None
         )
         self.was_training = model.training
-        self.original_tensors = _convert_floating(model, dtype)
+        self.original_tensors = _place(model, dtype, preparation.device)
         model.eval()
         self.previous_attn = config._attn_implementation
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -139,7 +171,8 @@ class PreparedModel:
         self.packed_linears = self._pack() if pack else 0
         # eager steps call the model itself (so a wrapper put on its forward later, as the soak's faults, still runs)
         self.compiled = torch.compile(model.forward, dynamic=True) if preparation.compile else None
-        self.forwards = SharedForwards(f"astrai-model-{id(model):x}")  # last: nothing above can fail and leave it
+        # last: nothing above can fail and leave it
+        self.forwards = SharedForwards(f"astrai-model-{id(model):x}", uses_openmp(preparation.device))
 
     @staticmethod
     def check(model: PreTrainedModel, preparation: Preparation) -> None:
@@ -225,7 +258,7 @@ def _check_locked(model: PreTrainedModel, preparation: Preparation) -> PreparedM
     if differences:
         raise ValueError(
             "this model already serves another InferenceEngine, prepared differently: this one asks for "
-            f"{', '.join(differences)}. Engines sharing one model must agree on dtype, packed_weights, "
+            f"{', '.join(differences)}. Engines sharing one model must agree on dtype, device, packed_weights, "
             "attention_kernel and compile: pass the same, shut the other engine down, or pass a copy of the model"
         )
     return prepared
@@ -243,23 +276,21 @@ class ModelRunner:
         model: PreTrainedModel,
         n_pages: int,
         page_size: int,
-        dtype: torch.dtype,
-        packed_weights: bool = True,
-        attention_kernel: bool = True,
-        compile: bool = False,
+        preparation: Preparation,
     ):
         config = model.config
         check_supported(config)
-        preparation = Preparation(dtype, packed_weights, attention_kernel, compile)
         PreparedModel.check(model, preparation)  # a conflict is refused before any memory is taken
+        dtype, device = preparation.dtype, preparation.device
         self.page_size = page_size
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         slots = n_pages * page_size
         # the KV tensors first: a pool too large for memory fails here, before the model is touched
+        shape = (kv_heads, slots, head_dim)
         self.kv_cache = [
-            (torch.zeros(kv_heads, slots, head_dim, dtype=dtype), torch.zeros(kv_heads, slots, head_dim, dtype=dtype))
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(config.num_hidden_layers)
         ]
         self.prepared = PreparedModel.acquire(model, preparation)
@@ -268,6 +299,10 @@ class ModelRunner:
     @property
     def model(self) -> PreTrainedModel:
         return self.prepared.model
+
+    @property
+    def device(self) -> torch.device:
+        return self.prepared.preparation.device
 
     @property
     def groups(self) -> int:
@@ -297,7 +332,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(self, work: list[tuple[Request, int]]) -> torch.Tensor:
-        """Compute ``count`` tokens of each request; return logits [R, V] for the requests that reach their end."""
+        """Compute ``count`` tokens of each request; return logits [R, V] (on the device) for the requests that
+        reach their end. Nothing here waits for the device: the step's inputs are copied to it without a sync."""
         input_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
@@ -314,6 +350,8 @@ class ModelRunner:
             self.groups,
             self.decode_kernel,
         )
-        tokens, positions_t = torch.tensor([input_ids]), torch.tensor([positions])
-        rows = torch.tensor(sample_rows, dtype=torch.long)
+        device = self.device
+        tokens = to_device(torch.tensor([input_ids]), device)
+        positions_t = to_device(torch.tensor([positions]), device)
+        rows = to_device(torch.tensor(sample_rows, dtype=torch.long), device)
         return self.prepared.forward(self, batch, tokens, positions_t, rows)

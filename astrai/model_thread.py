@@ -17,7 +17,8 @@ Invariants: forwards never overlap (``SharedForwards.lock`` is held around each,
 runs its jobs in the order they were submitted, and a job's result or exception reaches the thread that submitted it,
 and nothing else; a loop thread that moves to the model thread first frees the OpenMP pool its own forwards made; the
 model thread frees its pool once idle for ``IDLE_RELEASE_S`` (not after every job: a busy engine submits its next
-step within milliseconds, and a new pool costs more).
+step within milliseconds, and a new pool costs more). A model served on a GPU (``openmp=False``) computes on no
+OpenMP pool: nothing is released there, and the hand-off only serialises the forwards.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class _Job:
 
 
 class ModelThread:
-    def __init__(self, name: str):
+    def __init__(self, name: str, openmp: bool):
+        self._openmp = openmp  # release the thread's OpenMP pool when idle
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
@@ -71,10 +73,10 @@ class ModelThread:
             try:
                 job = self._jobs.get(timeout=IDLE_RELEASE_S)
             except queue.Empty:
-                release_pool()  # idle: its workers would slow the pools of threads that compute
+                self._release_pool()  # idle: its workers would slow the pools of threads that compute
                 job = self._jobs.get()
             if job is None:
-                release_pool()
+                self._release_pool()
                 return
             try:
                 job.value = job.fn()
@@ -83,16 +85,21 @@ class ModelThread:
             finally:
                 job.done.set()
 
+    def _release_pool(self) -> None:
+        if self._openmp:
+            release_pool()
+
 
 class SharedForwards:
     """The forwards of the engines on one model: ``run`` one at a time, on the caller's thread or the model's."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, openmp: bool):
         self.lock = threading.Lock()  # held around every forward, whichever thread runs it
         self._busy_lock = threading.Lock()  # _forwarded_at and _direct, for a few dictionary operations
         self._forwarded_at: dict[object, float] = {}  # caller -> time of its last forward
         self._direct: set[object] = set()  # callers whose last forward ran on their own thread
-        self.thread = ModelThread(name)
+        self._openmp = openmp  # the model computes on OpenMP threads (the CPU): a loop thread leaving frees its pool
+        self.thread = ModelThread(name, openmp)
 
     def run(self, caller: object, forward: Callable[[], T]) -> T:
         now = time.monotonic()
@@ -108,7 +115,7 @@ class SharedForwards:
 
         if not crowded:
             return locked()
-        if left_direct:
+        if left_direct and self._openmp:
             release_pool()  # this loop thread's pool would throttle the model thread's
         return self.thread.call(locked)
 

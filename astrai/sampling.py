@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from astrai.device import to_device
+
 MAX_SEED = 2**63 - 1
 
 
@@ -49,22 +51,29 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     Order of the cuts: temperature, then top-k, then top-p on the renormalized top-k distribution.
     Sampling uses the exponential-race trick (argmax of p / Exp(1) noise): the noise for each row comes from
     that request's own generator, so a seeded request draws the same tokens whatever else is in the batch.
+
+    Everything is computed on the logits' device, with generators of that device (a seed reproduces its tokens on
+    one kind of device, not across CPU and CUDA); the returned list is the one time a step waits for the device.
     """
+    device = logits.device
     logits = logits.float()
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
-        sub = logits[rows]
-        temperature = torch.tensor([params[i].temperature for i in rows]).unsqueeze(1)
-        top_k = torch.tensor([params[i].top_k or sub.shape[-1] for i in rows]).unsqueeze(1)
-        top_p = torch.tensor([params[i].top_p for i in rows]).unsqueeze(1)
+        sampled_rows = to_device(torch.tensor(rows), device)
+        sub = logits.index_select(0, sampled_rows)
+        temperature = to_device(torch.tensor([params[i].temperature for i in rows]), device).unsqueeze(1)
+        top_k = to_device(torch.tensor([params[i].top_k or sub.shape[-1] for i in rows]), device).unsqueeze(1)
+        top_p = to_device(torch.tensor([params[i].top_p for i in rows]), device).unsqueeze(1)
         sorted_logits, order = (sub / temperature).sort(dim=-1, descending=True)
-        rank = torch.arange(sub.shape[-1]).unsqueeze(0)
+        rank = torch.arange(sub.shape[-1], device=device).unsqueeze(0)
         # top-k first, then top-p over the distribution renormalized after the cut (as transformers and vLLM do)
         probs = sorted_logits.masked_fill(rank >= top_k, -math.inf).softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
         probs = probs.masked_fill(mass_before >= top_p, 0.0)
-        noise = torch.stack([torch.empty(sub.shape[-1]).exponential_(generator=generators[i]) for i in rows])
+        noise = torch.stack(
+            [torch.empty(sub.shape[-1], device=device).exponential_(generator=generators[i]) for i in rows]
+        )
         picked = (probs / noise).argmax(dim=-1)
-        tokens[rows] = order.gather(1, picked.unsqueeze(1)).squeeze(1)
+        tokens.index_copy_(0, sampled_rows, order.gather(1, picked.unsqueeze(1)).squeeze(1))
     return tokens.tolist()

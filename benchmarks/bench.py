@@ -187,10 +187,11 @@ class _StepClock(LogitsProcessor):
 
 
 def run_hf_generate(model: PreTrainedModel, work: Workload, eos: int) -> Result:
+    """``generate`` on a left-padded batch, greedy, on the model's device."""
     longest = max(len(p) for p in work.prompts)
     pad = eos
-    input_ids = torch.tensor([[pad] * (longest - len(p)) + p for p in work.prompts])
-    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in work.prompts])
+    input_ids = torch.tensor([[pad] * (longest - len(p)) + p for p in work.prompts]).to(model.device)
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in work.prompts]).to(model.device)
     clock = _StepClock()
     with RssSampler() as rss, torch.inference_mode():
         started = time.perf_counter()
@@ -203,6 +204,8 @@ def run_hf_generate(model: PreTrainedModel, work: Workload, eos: int) -> Result:
             eos_token_id=eos,
             logits_processor=LogitsProcessorList([clock]),
         )
+        if out.is_cuda:
+            torch.cuda.synchronize(out.device)  # the run ends when the GPU has done its work, not when it is queued
         wall = time.perf_counter() - started
     outputs = [_until_eos(row[longest:].tolist(), eos) for row in out]
     steps = [b - a for a, b in zip(clock.times, clock.times[1:], strict=False)]
@@ -529,16 +532,16 @@ def summary(blocks: list[Block]) -> str:
         speeds = [s for _, _, s in values if s]
         vs_vllm = [ratios[2] for _, ratios, _ in values if ratios[2] is not None]
         lines.append(
-            f"| {workload} | {method} | {len(values)} | {_spread([r.tok_s for r, _, _ in values], '.1f')} | "
-            f"{_spread([r.ttft for r, _, _ in values], '.2f')} | {_spread(vs_vllm, '.2f', 'x')} | "
-            f"{_spread([ratios[1] for _, ratios, _ in values if ratios[1] is not None], '.2f', 'x')} | "
+            f"| {workload} | {method} | {len(values)} | {spread([r.tok_s for r, _, _ in values], '.1f')} | "
+            f"{spread([r.ttft for r, _, _ in values], '.2f')} | {spread(vs_vllm, '.2f', 'x')} | "
+            f"{spread([ratios[1] for _, ratios, _ in values if ratios[1] is not None], '.2f', 'x')} | "
             + (f"{statistics.median(decode):.1f} | " if decode else "- | ")
             + (f"{statistics.median(speeds):.2f}x |" if speeds else "- |")
         )
     return "\n".join(lines)
 
 
-def _spread(values: list[float], fmt: str, unit: str = "") -> str:
+def spread(values: list[float], fmt: str, unit: str = "") -> str:
     """min / median / max, or the one value."""
     if not values:
         return "-"
@@ -647,7 +650,8 @@ def ratio_line(sample: Sample, samples: list[Sample]) -> str:
     return f"round {sample.round} {sample.workload} {sample.dtype}: faster vLLM: {best.method}; {ratios}"
 
 
-def _counts(values: list[int]) -> str:
+def count_range(values: list[int]) -> str:
+    """``n``, or ``min-max`` where the values differ."""
     return str(values[0]) if min(values) == max(values) else f"{min(values)}-{max(values)}"
 
 
@@ -684,12 +688,12 @@ def versus_table(samples: list[Sample], runs: int) -> str:
             dtype,
             method,
             ", ".join(f"{r:.2f}" for r in ratios),
-            _spread(ratios, ".2f", "x"),
+            spread(ratios, ".2f", "x"),
             ", ".join(faster),
-            _spread([r.tok_s for s in mine for r in s.runs], ".1f"),
-            *(_spread([r.tok_s for s in vllm[setup] for r in s.runs], ".1f") for setup in VLLM_SETUPS),
+            spread([r.tok_s for s in mine for r in s.runs], ".1f"),
+            *(spread([r.tok_s for s in vllm[setup] for r in s.runs], ".1f") for setup in VLLM_SETUPS),
             "; ".join(
-                _counts([r.generated for s in group for r in s.runs]) if group else "-"
+                count_range([r.generated for s in group for r in s.runs]) if group else "-"
                 for group in [mine, *vllm.values()]
             ),
             f"{min(same)}/{len(mine[0].runs[0].outputs)}" if same else "-",

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from astrai.model_runner import SUPPORTED_DTYPES, ModelRunner
+from astrai.model_runner import SUPPORTED_DTYPES, ModelRunner, Preparation
 from astrai.request import Request
 from astrai.sampling import SamplingParams
 from benchmarks.bench import embedded, smollm_shaped
@@ -70,9 +70,9 @@ def main() -> None:
     n_pages = args.batch * (args.context // PAGE_SIZE + 2)
     runners, work = {}, {}
     for name in chosen:
-        options = VARIANTS[name]
+        preparation = Preparation.resolve(SUPPORTED_DTYPES[args.dtype], torch.device("cpu"), **VARIANTS[name])
         started = time.perf_counter()
-        runner = ModelRunner(copy.deepcopy(model), n_pages, PAGE_SIZE, SUPPORTED_DTYPES[args.dtype], **options)
+        runner = ModelRunner(copy.deepcopy(model), n_pages, PAGE_SIZE, preparation)
         work[name] = decode_batch(runner, args.batch, args.context, vocab)
         runner.step(work[name])  # a compiled runner compiles here, if the prefill did not already
         runners[name] = runner

@@ -1,9 +1,11 @@
-"""The engine's greedy output equals transformers' own generate, token for token, on three model families."""
+"""The engine's greedy output equals transformers' own generate, token for token, on three model families, on every
+device there is (``device``, tests/conftest.py): the reference is transformers on that same device, in float32."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.utils._triton
 
 from astrai import InferenceEngine
 from tests.support.tiny_models import FAMILIES, make_model, make_tokenizer, reference_generate
@@ -24,9 +26,9 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def family(request):
+def family(request, device):
     tokenizer = make_tokenizer()
-    model = make_model(request.param, len(tokenizer))
+    model = make_model(request.param, len(tokenizer)).to(device)
     refs = [reference_generate(model, tokenizer, p, NEW_TOKENS) for p in PROMPTS]
     longest = max(len(tokenizer(p).input_ids) for p in PROMPTS) + NEW_TOKENS
     return model, tokenizer, refs, -(-longest // PAGE)
@@ -42,15 +44,23 @@ def run_batch(engine: InferenceEngine, prompts: list[str]) -> tuple[list[str], l
 
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["cache-on", "cache-off"])
 @pytest.mark.parametrize("pool", ["roomy", "tight"])
-def test_greedy_equals_transformers(family, prefix_caching, pool):
+def test_greedy_equals_transformers(family, device, prefix_caching, pool):
     model, tokenizer, refs, pages_per_request = family
     # "tight" fits the longest request plus two pages: the batch must evict and preempt to get through.
     n_pages = 256 if pool == "roomy" else pages_per_request + 2
     with InferenceEngine(
-        model, tokenizer, page_size=PAGE, n_pages=n_pages, max_batch_size=6, prefix_caching=prefix_caching
+        model,
+        tokenizer,
+        page_size=PAGE,
+        n_pages=n_pages,
+        max_batch_size=6,
+        prefix_caching=prefix_caching,
+        device=device,
     ) as engine:
-        assert engine.runner.packed_linears > 0  # the default path: oneDNN-packed weights,
-        assert engine.runner.decode_kernel is not None  # and decodes attended by the C kernel
+        on_cpu = engine.device.type == "cpu"  # the default path there: oneDNN-packed weights and the C decode kernel;
+        assert (engine.runner.packed_linears > 0) == on_cpu  # elsewhere transformers' own layers,
+        assert (engine.runner.decode_kernel is not None) == on_cpu  # and decodes attended through PyTorch
+        assert engine.runner.kv_cache[0][0].device == engine.device == next(model.parameters()).device
         for _ in range(2):  # the second round runs with the cache warm
             texts, ids = run_batch(engine, PROMPTS)
             assert ids == refs
@@ -68,45 +78,48 @@ def test_greedy_equals_transformers(family, prefix_caching, pool):
         engine.pool.check_invariants()
 
 
-def test_chunked_prefill_equals_transformers(family):
+def test_chunked_prefill_equals_transformers(family, device):
     """A prompt longer than the per-step token budget is prefilled over several steps, with the same result."""
     model, tokenizer, refs, _ = family
-    with InferenceEngine(model, tokenizer, page_size=PAGE, n_pages=128, max_batched_tokens=7) as engine:
+    with InferenceEngine(model, tokenizer, page_size=PAGE, n_pages=128, max_batched_tokens=7, device=device) as engine:
         _, ids = run_batch(engine, PROMPTS)
     assert ids == refs
 
 
-def test_plain_weights_and_attention_equal_transformers(family):
+def test_plain_weights_and_attention_equal_transformers(family, device):
     """Without its speed-ups (weight packing, the C decode kernel) the engine runs transformers' own linear layers
     and attends through PyTorch, with the same result."""
     model, tokenizer, refs, _ = family
     with InferenceEngine(
-        model, tokenizer, page_size=PAGE, n_pages=128, packed_weights=False, attention_kernel=False
+        model, tokenizer, page_size=PAGE, n_pages=128, packed_weights=False, attention_kernel=False, device=device
     ) as engine:
         assert engine.runner.packed_linears == 0 and engine.runner.decode_kernel is None
         _, ids = run_batch(engine, PROMPTS)
     assert ids == refs
 
 
-def test_bfloat16_runs_and_mostly_agrees(family):
+def test_bfloat16_runs_and_mostly_agrees(family, device):
     """bfloat16 changes numerics, so only ask that it runs, frees its pages, and starts like float32."""
     model, tokenizer, refs, _ = family
-    with InferenceEngine(model, tokenizer, page_size=PAGE, n_pages=128, dtype="bfloat16") as engine:
+    with InferenceEngine(model, tokenizer, page_size=PAGE, n_pages=128, dtype="bfloat16", device=device) as engine:
         _, ids = run_batch(engine, PROMPTS)
         assert engine.cache_stats().used_pages == 0
     model.float()
     assert sum(a[0] == b[0] for a, b in zip(ids, refs, strict=True)) >= len(PROMPTS) // 2
 
 
-def test_compiled_equals_transformers(family):
+def test_compiled_equals_transformers(family, device):
     """``compile=True``: one graph per model, whatever the token count, with the same greedy output.
 
-    The pool is tight, so the compiled forward also runs the steps that evict and preempt.
+    The pool is tight, so the compiled forward also runs the steps that evict and preempt. On CUDA, inductor
+    generates Triton kernels: without Triton there is nothing to test.
     """
+    if device == "cuda" and not torch.utils._triton.has_triton():
+        pytest.skip("torch.compile on CUDA needs Triton")
     model, tokenizer, refs, pages_per_request = family
     torch._dynamo.utils.counters.clear()
     with InferenceEngine(
-        model, tokenizer, page_size=PAGE, n_pages=pages_per_request + 2, max_batch_size=6, compile=True
+        model, tokenizer, page_size=PAGE, n_pages=pages_per_request + 2, max_batch_size=6, compile=True, device=device
     ) as engine:
         for _ in range(2):
             _, ids = run_batch(engine, PROMPTS)

@@ -153,21 +153,25 @@ def test_busy_engines_sharing_a_model_forward_on_one_thread_an_idle_one_costs_no
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_one_shut_down_leaves_the_other_serving_and_the_last_restores_the_model(dtype, tokenizer):
+def test_one_shut_down_leaves_the_other_serving_and_the_last_restores_the_model(dtype, device, tokenizer):
+    """The model comes on the host in float32; it is served in ``dtype`` on ``device`` (transformers' greedy output
+    on the host in float32), and handed back on the host, as it came."""
     model, refs = fresh_model("qwen2", tokenizer)
     model.train()
     before = {name: t.clone() for name, t in model.state_dict().items()}
     linears, attention = plain_linears(model), model.config._attn_implementation
-    first = InferenceEngine(model, tokenizer, dtype=dtype, **PROFILES[0])
-    second = InferenceEngine(model, tokenizer, dtype=dtype, **PROFILES[1])
+    first = InferenceEngine(model, tokenizer, dtype=dtype, device=device, **PROFILES[0])
+    second = InferenceEngine(model, tokenizer, dtype=dtype, device=device, **PROFILES[1])
     expected = output_ids(second, PROMPTS) if dtype == "bfloat16" else refs
     assert output_ids(first, PROMPTS) == expected
 
     assert first.shutdown() is True
     assert second.runner.prepared.users == 1
     assert model.config._attn_implementation == "astrai_paged"  # still wired for the engine left
-    assert any(isinstance(m, PackedLinear) for m in model.modules()) and not model.training
-    assert next(model.parameters()).dtype == getattr(torch, dtype)
+    packed = any(isinstance(m, PackedLinear) for m in model.modules())
+    assert packed == (device == "cpu") and not model.training  # packed where that applies: on the CPU
+    parameter = next(model.parameters())
+    assert parameter.dtype == getattr(torch, dtype) and parameter.device == second.device
     assert output_ids(second, PROMPTS) == expected
     assert first.runner.kv_cache == []  # the engine shut down let its KV tensors go
 
@@ -177,10 +181,11 @@ def test_one_shut_down_leaves_the_other_serving_and_the_last_restores_the_model(
     assert model.training
     after = model.state_dict()
     assert after.keys() == before.keys()
-    assert all(after[k].dtype == before[k].dtype and torch.equal(after[k], before[k]) for k in before)
+    assert all(after[k].dtype == before[k].dtype and after[k].device == before[k].device for k in before)
+    assert all(torch.equal(after[k], before[k]) for k in before)
     # nothing holds the model now: it may be prepared afresh, even differently
     other = "float32" if dtype == "bfloat16" else "bfloat16"
-    with InferenceEngine(model, tokenizer, dtype=other, page_size=4, n_pages=64) as again:
+    with InferenceEngine(model, tokenizer, dtype=other, device=device, page_size=4, n_pages=64) as again:
         assert again.runner.prepared.users == 1 and again.generate(PROMPTS[0], max_tokens=2)
 
 

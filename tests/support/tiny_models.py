@@ -75,8 +75,8 @@ def make_model(family: str, vocab_size: int, seed: int = 0, max_positions: int =
 
 
 def reference_generate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, prompt: str, n: int) -> list[int]:
-    """transformers' own greedy continuation (token ids, EOS included when it stops there)."""
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    """transformers' own greedy continuation (token ids, EOS included when it stops there), on the model's device."""
+    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
     return out[0, ids.shape[1] :].tolist()
