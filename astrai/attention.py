@@ -188,7 +188,9 @@ def _paged_attention(
             k = k_cache.index_select(1, context).view(kv_heads, n, -1, head_dim)  # [KVH, Bd, L, D]
             v = v_cache.index_select(1, context).view(kv_heads, n, -1, head_dim)
             res = F.scaled_dot_product_attention(q_dec, k, v, attn_mask=batch.decode_bias, scale=scale)
-            res = res.permute(1, 0, 2, 3).reshape(n, heads, head_dim)  # [Bd, H, D]
+            # [Bd, H, D], contiguous as the op's fake promises: without query groups (G = 1) the reshape is a view
+            # with the heads' stride, and a compiled graph's stride check refuses it
+            res = res.permute(1, 0, 2, 3).reshape(n, heads, head_dim).contiguous()
         if batch.decode_covers_all:
             out = res
         else:
