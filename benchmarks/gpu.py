@@ -65,13 +65,15 @@ def gpu_name(device: torch.device) -> str:
     )
 
 
-def bench_model(load: Callable, dtype: str, names: list[str], rounds: int, device: torch.device) -> list[Pair]:
+def bench_model(
+    load: Callable, dtype: str, names: list[str], rounds: int, device: torch.device, compile: bool = False
+) -> list[Pair]:
     base, tokenizer = load()
     eos = tokenizer.eos_token_id
     workloads = [w for w in make_workloads(base.config.vocab_size) if w.name in names]
     reference = copy.deepcopy(base).to(device=device, dtype=getattr(torch, dtype))
     pairs: list[Pair] = []
-    with InferenceEngine(copy.deepcopy(base), tokenizer, dtype=dtype) as engine:
+    with InferenceEngine(copy.deepcopy(base), tokenizer, dtype=dtype, compile=compile) as engine:
         if engine.device != device:
             raise RuntimeError(f"the engine's default device is {engine.device}, not {device}")
         for work in workloads:  # warm-up: CUDA context, cuBLAS handles, the caching allocator's blocks
@@ -118,6 +120,7 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--workloads", default="W1,W2")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="the engine with compile=True (compiled in warm-up)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("no CUDA device: this benchmark runs on a GPU (python -m benchmarks.bench runs on the CPU)")
@@ -132,7 +135,8 @@ def main() -> None:
         title, load = MODELS[key]
         for dtype in args.dtypes.split(","):
             print(f"### {title}, {dtype}", flush=True)
-            rows.append((title, dtype, bench_model(load, dtype, args.workloads.split(","), args.rounds, device)))
+            pairs = bench_model(load, dtype, args.workloads.split(","), args.rounds, device, args.compile)
+            rows.append((title + (", compiled" if args.compile else ""), dtype, pairs))
             torch.cuda.empty_cache()
     print("\n" + table(rows), flush=True)
 
