@@ -1,0 +1,328 @@
+"""The playground on a vLLM fleet: replicas behind vLLM's router (``VllmBackend.fleet``, ``views/fleet.py``).
+
+Two groups:
+
+- no servers: the fleet's sums and page numbers, the router's metrics, the operator's arguments, the routing
+  comparison's words;
+- ``@pytest.mark.fleet``: 2 real vLLM CPU replicas and 2 real routers (round_robin, cache_aware) on loopback, which
+  ``.ci/run`` starts with ``scripts/serve_vllm.py --replicas 2 --router round_robin,cache_aware --wait`` and whose
+  printed JSON it names in ``ASTRAI_FLEET`` (by hand: the same command, its output saved to a file). Without it they
+  are skipped, with that reason. The last one kills a replica and starts it again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from astrai.observation import CacheSnapshot, CacheStats, PageRecord
+from astrai.playground.backends.protocol import Served
+from astrai.playground.backends.vllm import fleet
+from astrai.playground.backends.vllm.router import RouterSpec, parse_router_metrics
+from astrai.playground.views import fleet as fleet_views
+from tests.support.waiting import wait_until
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "test-artifacts"
+WAIT_FOR_FLEET_S = float(os.environ.get("ASTRAI_FLEET_WAIT_S", 900))
+
+
+# --- no servers ------------------------------------------------------------------------------------------------
+
+
+def stats(**fields) -> CacheStats:
+    base = dict.fromkeys(f.name for f in dataclasses.fields(CacheStats))
+    base |= dict(finished=0, cancelled=0, failed=0, generated_tokens=0, steps=1, prefix_caching=True, page_size=32)
+    return CacheStats(**(base | fields))
+
+
+def test_a_fleet_sum_is_only_as_reported_as_its_parts():
+    a = stats(n_pages=100, used_pages=3, cached_pages=10, hit_tokens=32, query_tokens=64, running=1, steps=5)
+    b = stats(n_pages=100, used_pages=1, cached_pages=None, hit_tokens=0, query_tokens=64, running=2, steps=9)
+    merged = fleet.merge_stats([a, b])
+    assert (merged.n_pages, merged.used_pages, merged.running, merged.steps) == (200, 4, 3, 9)
+    assert merged.cached_pages is None, "one replica does not report it: the sum would undercount"
+    assert merged.hit_tokens == 32 and merged.query_tokens == 128 and merged.hit_rate == 0.25
+
+
+def test_replicas_pages_are_numbered_apart_and_back():
+    def page(n: int) -> PageRecord:
+        return PageRecord(n, "cached", None, None, (), 0, bytes([n]), None, None, None, (n,))
+
+    merged = fleet.merge_snapshots([CacheSnapshot(3, (page(0), page(1))), CacheSnapshot(4, (page(0),))])
+    assert [p.page for p in merged.pages] == [0, 1, 2] and merged.step == 4
+    assert [fleet.replica_of(p.page, 2) for p in merged.pages] == [(0, 0), (1, 0), (0, 1)]
+
+
+def test_the_routers_metrics_name_its_decisions_per_replica():
+    text = (
+        'vllm_router_policy_decisions_total{policy="cache_aware",worker="http://127.0.0.1:8041"} 19\n'
+        'vllm_router_policy_decisions_total{policy="cache_aware",worker="http://127.0.0.1:8042"} 3\n'
+        'vllm_router_prefix_routing_decisions_total{policy="cache_aware",stage="regular",outcome="prefix_hit"} 6\n'
+        'vllm_router_worker_health{worker="http://127.0.0.1:8042"} 0\n'
+    )
+    metrics = parse_router_metrics(text)
+    assert metrics.decisions == {"http://127.0.0.1:8041": 19, "http://127.0.0.1:8042": 3}
+    assert metrics.prefix_outcomes == {"prefix_hit": 6} and metrics.policies == {"cache_aware"}
+    replicas = [fleet_views.ReplicaState(f"replica {i}", f"replica {i} (127.0.0.1:804{i})", None) for i in (1, 2)]
+    line = fleet_views.router_text(metrics, replicas)
+    assert "19 → replica 1" in line and "3 → replica 2" in line and "marks replica 2 unhealthy" in line
+
+
+def test_the_operator_names_a_router_and_its_policy():
+    assert RouterSpec.parse("cache_aware=http://h:8099/", "http://h:29099") == RouterSpec(
+        "http://h:8099", "cache_aware", "http://h:29099"
+    )
+    assert RouterSpec.parse("http://h:8099").policy is None
+    with pytest.raises(ValueError, match="unknown policy"):
+        RouterSpec.parse("fastest=http://h:8099")
+
+
+def test_app_arguments_come_once_per_server():
+    code = (
+        "import sys; sys.argv = ['app.py']; from app import parse_args, make_engines; "
+        "make_engines(parse_args(['--vllm-url', 'http://127.0.0.1:9', '--vllm-url', 'http://127.0.0.1:10', "
+        "'--kv-events', 'tcp://127.0.0.1:1', '--router-url', 'http://127.0.0.1:11']))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode != 0 and "--kv-events: give it once per server (2)" in result.stderr, result.stderr
+
+
+def test_the_routing_note_says_what_each_policy_computed():
+    from astrai.observation import RequestInfo
+
+    def info(prompt: int, cached: int) -> RequestInfo:
+        return RequestInfo(0, "finished", prompt, cached, 4, 0, (), (), 0.1, 10.0, None)
+
+    spread = fleet_views.PolicyResult(
+        "round_robin", (info(128, 0), info(128, 0), info(128, 96)), ("replica 1", "replica 2", "replica 1"), (0, 0, 0)
+    )
+    kept = fleet_views.PolicyResult(
+        "cache_aware", (info(128, 0), info(128, 96), info(128, 96)), ("replica 2",) * 3, (0, 0, 0)
+    )
+    note = fleet_views.routing_note([spread, kept])
+    assert "round_robin:** 288 of 384" in note and "1 of 1 tenants ran on more than one replica" in note
+    assert "cache_aware:** 192 of 384" in note and "each tenant on one replica" in note
+    assert "96 fewer prefill tokens" in note
+    assert fleet_views.served_text(Served("replica 2 (127.0.0.1:8042)", "its KV events")).startswith(
+        "served by replica 2"
+    )
+
+
+# --- a real fleet ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fleet_info() -> dict:
+    path = os.environ.get("ASTRAI_FLEET")
+    if not path:
+        pytest.skip("ASTRAI_FLEET is not set: no vLLM fleet to test against (.ci/run starts one)")
+    launch_log = Path(path + ".log")
+
+    def ready() -> bool:
+        if Path(path + ".failed").exists():
+            tail = launch_log.read_text(errors="replace")[-3000:] if launch_log.exists() else "(no log)"
+            pytest.fail(f"scripts/serve_vllm.py failed to start the fleet; its log ends with:\n{tail}")
+        return Path(path).exists() and Path(path).stat().st_size > 0
+
+    started = time.monotonic()
+    assert wait_until(ready, timeout=WAIT_FOR_FLEET_S, interval=2.0), f"no fleet after {WAIT_FOR_FLEET_S:.0f} s"
+    print(f"the fleet was ready after waiting {time.monotonic() - started:.1f} s")
+    info = json.loads(Path(path).read_text().strip().splitlines()[-1])
+    args = info["app"][2:]
+    info["replicas"] = [args[i + 1] for i, a in enumerate(args) if a == "--vllm-url"]
+    info["args"] = args
+    return info
+
+
+def counters(url: str) -> dict[str, float]:
+    """A replica's own counters: requests ended, prompt tokens looked up and hit."""
+    totals = {"requests": 0.0, "queries": 0.0, "hits": 0.0}
+    names = {
+        "vllm:request_success_total": "requests",
+        "vllm:prefix_cache_queries_total": "queries",
+        "vllm:prefix_cache_hits_total": "hits",
+    }
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text):
+        for sample in family.samples:
+            if sample.name in names:
+                totals[names[sample.name]] += sample.value
+    return totals
+
+
+def all_counters(info: dict) -> list[dict[str, float]]:
+    return [counters(url) for url in info["replicas"]]
+
+
+@pytest.fixture(scope="module")
+def fleet_app(fleet_info):
+    from tools.loadtest import launch_app
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    with launch_app(log_path=ARTIFACTS / "app-fleet.log", args=fleet_info["args"]) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def fclient(fleet_app):
+    from gradio_client import Client
+
+    return Client(fleet_app, verbose=False)
+
+
+# each prompt fills a 32-token block at once, so the replica that serves it names it in its events right away
+STORY = "Once upon a time, in a little house by a big forest, there lived a girl named Mia who loved to sing. "
+
+
+def run_args(prompts: list[str], max_tokens: int = 8) -> dict:
+    padded = prompts + [""] * (6 - len(prompts))
+    return dict(
+        n_panels=len(prompts),
+        shared_prefix="",
+        **{f"prompt_{i + 1}": p for i, p in enumerate(padded)},
+        max_tokens=max_tokens,
+        temperature=0,
+        top_p=1,
+        top_k=0,
+        seed=0,
+        isolate_cache=False,
+    )
+
+
+def named_replica(badge: str) -> str | None:
+    match = re.search(r"served by (replica \d+)", badge)
+    return match.group(1) if match else None
+
+
+@pytest.mark.fleet
+def test_badges_name_the_replica_that_really_served_each_panel(fleet_info, fclient):
+    """One panel at a time through the round-robin router: the replica its badge names is the one whose own
+    request counter moved."""
+    seen = set()
+    for k in range(4):
+        before = all_counters(fleet_info)
+        fclient.predict(**run_args([f"{STORY}Story {k}: one day"]), api_name="/run")
+        badge = fclient.predict(api_name="/after_run")[0]
+        after = all_counters(fleet_info)
+        moved = [i for i in range(len(after)) if after[i]["requests"] > before[i]["requests"]]
+        assert len(moved) == 1, f"exactly one replica served the panel, by their counters: {moved}"
+        assert named_replica(badge) == f"replica {moved[0] + 1}", badge
+        seen.add(moved[0])
+    assert seen == {0, 1}, "round robin sent the four runs to both replicas"
+
+
+@pytest.mark.fleet
+def test_each_replicas_page_map_matches_that_replicas_events(fleet_info):
+    """The backend's per-replica pages against an independent reading of each replica's events (a fresh
+    subscriber that replays them from the start), and each page's panel against the replica that served it."""
+    from astrai.playground.backends.vllm.backend import ReplicaSpec, VllmBackend
+    from astrai.playground.backends.vllm.pages import page_key
+    from astrai.playground.backends.vllm.subscriber import KvEventSubscriber
+    from astrai.sampling import SamplingParams
+
+    args = fleet_info["args"]
+    events = [args[i + 1] for i, a in enumerate(args) if a == "--kv-events"]
+    replays = [args[i + 1] for i, a in enumerate(args) if a == "--kv-replay"]
+    routers = [args[i + 1] for i, a in enumerate(args) if a == "--router-url"]
+    specs = [ReplicaSpec(*spec) for spec in zip(fleet_info["replicas"], events, replays, strict=True)]
+    backend = VllmBackend.fleet(specs, [RouterSpec.parse(routers[0])])
+    try:
+        prompts = [f"{STORY}Page map {k}: the bird" for k in range(4)]
+        run = backend.submit(prompts, SamplingParams(max_tokens=40), salt=None)
+        list(run)
+        assert wait_until(lambda: len(backend.served_by(run.request_ids)) == 4, timeout=10)
+        served = backend.served_by(run.request_ids)
+        for index, (replica, endpoint, replay) in enumerate(zip(backend.replicas, events, replays, strict=True)):
+            reader = KvEventSubscriber(endpoint, replay_endpoint=replay)
+            reader.start()
+            try:
+                assert wait_until(lambda r=reader: r.snapshot().complete, timeout=20), reader.status()
+                time.sleep(1.0)  # both readers past the run's last batch
+                replica.sampler.tick()
+                expected = {page_key(h) for h in reader.snapshot().blocks}
+            finally:
+                reader.stop()
+            pages = [p for p in replica.snapshot().pages if p.state != "free"]
+            assert {p.key for p in pages} == expected, f"replica {index + 1}'s page map is not its events' blocks"
+            mine = {p.stored_by for p in pages if p.stored_by in run.request_ids}
+            assert all(served[r].replica == replica.label for r in mine), (index, mine, served)
+    finally:
+        backend.shutdown()
+
+
+@pytest.mark.fleet
+def test_the_routing_steps_claim_holds_by_what_the_servers_reported(fleet_info, fclient):
+    """Lesson step 7: the prefix-aware router computes fewer prefill tokens than round robin on the same tenants.
+    The comparison's figures are checked against the replicas' own counters: every prompt token it counts was
+    looked up there, every cached token was a hit there, on the replica it names."""
+    from astrai.playground.scenarios import TENANTS
+
+    before = all_counters(fleet_info)
+    note = fclient.predict(**run_args(TENANTS.prompts, TENANTS.max_tokens), api_name="/compare_routing")[1]
+    after = all_counters(fleet_info)
+    passes = dict(re.findall(r"\*\*(\w+):\*\* (\d+) of \d+ prompt tokens computed", note))
+    assert set(passes) == {"round_robin", "cache_aware"}, note
+    assert int(passes["cache_aware"]) < int(passes["round_robin"]), note
+    per_replica: dict[int, list[int]] = {}
+    for replica, cached, prompt in re.findall(r"replica (\d+): (\d+) of (\d+) cached", note):
+        totals = per_replica.setdefault(int(replica) - 1, [0, 0])
+        totals[0] += int(cached)
+        totals[1] += int(prompt)
+    for i, (hits, queries) in per_replica.items():
+        assert after[i]["hits"] - before[i]["hits"] == hits, (i, note)
+        assert after[i]["queries"] - before[i]["queries"] == queries, (i, note)
+
+
+def stats_line(client) -> str:
+    return client.predict(api_name="/refresh")[5]
+
+
+@pytest.mark.fleet
+def test_a_replica_killed_mid_run_fails_its_panels_and_the_fleet_recovers_without_an_app_restart(fleet_info, fclient):
+    """Its panels end with a message naming it, its page map says unreachable, the router routes around it, and
+    once it is started again the app sees it and the router sends it runs: the app was never restarted."""
+    victim = fleet_info["replicas"][1]
+    port = int(victim.rsplit(":", 1)[1])
+    args = fleet_info["args"]
+    kv = [args[i + 1] for i, a in enumerate(args) if a in ("--kv-events", "--kv-replay")][2:4]
+    venv = Path(os.environ.get("ASTRAI_VLLM_VENV", ROOT / ".venv-vllm"))
+    pid = int((venv / "run" / f"server-{port}.pid").read_text())
+    prompts = [f"{STORY}Killed {k}: the fox" for k in range(4)]
+    job = fclient.submit(**run_args(prompts, max_tokens=256), api_name="/run")
+    time.sleep(1.5)  # the four panels are streaming, two on each replica
+    os.killpg(pid, signal.SIGKILL)
+    job.result(timeout=120)
+    badges = fclient.predict(api_name="/after_run")[:4]
+    failed = [b for b in badges if "failed" in b]
+    assert failed, f"the killed replica's panels fail: {badges}"
+    assert all("not answering now: replica 2" in b for b in failed), failed
+    assert wait_until(lambda: "replica 2: ⚠️ unreachable" in stats_line(fclient), timeout=15)
+
+    time.sleep(2 * 2 + 1)  # the router's health check (every 2 s, 1 failure) marks it down
+    fclient.predict(**run_args([f"{STORY}Around {k}: the owl" for k in range(4)]), api_name="/run")
+    badges = fclient.predict(api_name="/after_run")[:4]
+    assert all("failed" not in b and named_replica(b) == "replica 1" for b in badges), badges
+
+    restart = [sys.executable, str(ROOT / "scripts" / "serve_vllm.py"), "--wait", "--dev-mode", "--timeout", "600"]
+    restart += ["--port", str(port), "--kv-events", kv[0].replace("127.0.0.1", "*")]
+    restart += ["--kv-replay", kv[1].replace("127.0.0.1", "*")]
+    subprocess.run(restart, check=True, timeout=660, capture_output=True)
+    assert wait_until(lambda: "unreachable" not in stats_line(fclient), timeout=30), stats_line(fclient)
+
+    def lands_on_replica_2() -> bool:
+        prompt = [f"{STORY}Back {time.monotonic()}: the cat"]
+        fclient.predict(**run_args(prompt), api_name="/run")
+        return named_replica(fclient.predict(api_name="/after_run")[0]) == "replica 2"
+
+    assert wait_until(lands_on_replica_2, timeout=60, interval=1.0), "the router sends runs to it again"
