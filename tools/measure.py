@@ -6,12 +6,14 @@ distinct values it sees; a panel's **visible updates per second** is (values −
 time of its first change), and a round reports the slowest panel. **Click to first token** is the time from the
 click to the first non-empty output box. **Replay frame** is the time from a click on "◀ step" to the page map
 showing the new step. ``--compare-to`` measures another checkout's app.py (an earlier version, say) in the same
-run, round after round, so "before" and "after" share the machine's mood.
+run, round after round, so "before" and "after" share the machine's mood. ``--fleet`` attaches the app to a vLLM
+fleet (the JSON its launcher printed), so the live view draws a page map and chart lines per replica.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 from pathlib import Path
 
@@ -109,7 +111,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--compare-to", type=Path, help="another checkout whose app.py to measure alongside")
+    parser.add_argument(
+        "--fleet", type=Path, help="the JSON `scripts/serve_vllm.py --replicas N --router ... --wait` printed: attach"
+    )
     args = parser.parse_args()
+    attach = json.loads(args.fleet.read_text().strip().splitlines()[-1])["app"][2:] if args.fleet else None
     apps = {"this checkout": APP}
     if args.compare_to:
         apps = {f"{args.compare_to}": args.compare_to / "app.py", **apps}
@@ -117,7 +123,7 @@ def main() -> None:
     replay: dict[str, list[float]] = {}
     for _ in range(args.rounds):
         for name, app in apps.items():
-            with launch_app(app=app) as url, open_playground(url, viewport=(1366, 768)) as page:
+            with launch_app(app=app, args=attach) as url, open_playground(url, viewport=(1366, 768)) as page:
                 prepare(page, args.max_tokens)
                 for charts in ("on", "off"):
                     set_charts(page, charts == "on")
