@@ -141,7 +141,7 @@ def test_a_slow_scrape_loses_no_block_beyond_the_replay_buffer(fake, tmp_path):
 @pytest.fixture
 def no_local_tokenizer(monkeypatch):
     """The served model's tokenizer is not on this machine: the server applies the chat template."""
-    monkeypatch.setattr(VllmBackend, "_load_tokenizer", staticmethod(lambda root: None))
+    monkeypatch.setattr("astrai.playground.backends.vllm.backend.load_tokenizer", lambda root: None)
 
 
 def test_a_transient_tokenize_error_fails_that_run_and_is_asked_again(fake, no_local_tokenizer):

@@ -25,16 +25,15 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 
 from astrai.observation import CacheSnapshot, CacheStats, EngineEvent, RequestInfo, StepSample
-from astrai.playground.backends.protocol import BackendUnavailable, Served, format_prompt
+from astrai.playground.backends.protocol import Served, format_prompt
 from astrai.playground.backends.vllm import fleet
-from astrai.playground.backends.vllm.prompts import ServerText
+from astrai.playground.backends.vllm.prompts import ServerText, load_tokenizer, resolve_model
 from astrai.playground.backends.vllm.replica import HTTP_TIMEOUT, Replica
 from astrai.playground.backends.vllm.router import Router, RouterSpec
 from astrai.playground.backends.vllm.run import VllmRun, _Request, cache_salt, completion_payload
@@ -117,10 +116,10 @@ class VllmBackend:
         self._client = self._openai(self.url)
         self._router_clients = [self._openai(router.url) for router in self._routers]
         self._lock = threading.Lock()  # guards what the samplers and the stream threads share (the module docstring)
-        info = self._resolve_model(model_name)
+        info = resolve_model(self._http, self.url, model_name)
         self.model: str = info["id"]
         self.max_model_len: int | None = info.get("max_model_len")
-        self._tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer(info.get("root"))
+        self._tokenizer = tokenizer if tokenizer is not None else load_tokenizer(info.get("root"))
         self._tokenizer_lock = threading.Lock()  # a fast tokenizer shared by Gradio's worker threads
         where = f"{len(replicas)} replicas behind vLLM's router at {self.url}" if self._routers else self.url
         self._label = f"{self.model} (vLLM at {where})"
@@ -154,44 +153,6 @@ class VllmBackend:
         return openai.OpenAI(base_url=url.rstrip("/") + "/v1", api_key="EMPTY", max_retries=0, timeout=STREAM_TIMEOUT)
 
     # ----- connection -----------------------------------------------------------------------------------------
-    def _resolve_model(self, model_name: str | None) -> dict[str, Any]:
-        try:
-            response = self._http.get("/v1/models")
-            response.raise_for_status()
-            models = response.json().get("data", [])
-        except (httpx.HTTPError, ValueError) as exc:
-            if model_name:
-                return {"id": model_name}  # the operator named it: start, and reconnect when the server is up
-            raise BackendUnavailable(
-                f"cannot list the models of the vLLM server at {self.url}: {exc}. Is it running? "
-                "(pass --model-name to start without it)"
-            ) from exc
-        if model_name:
-            for model in models:
-                if model.get("id") == model_name:
-                    return model
-            names = ", ".join(m.get("id", "?") for m in models) or "none"
-            raise ValueError(f"the vLLM server at {self.url} does not serve {model_name!r} (it serves: {names})")
-        if len(models) != 1:
-            names = ", ".join(m.get("id", "?") for m in models) or "none"
-            raise ValueError(
-                f"the vLLM server at {self.url} serves {len(models)} models ({names}): pick one with --model-name"
-            )
-        return models[0]
-
-    @staticmethod
-    def _load_tokenizer(root: str | None) -> Any:
-        """The served model's tokenizer when its path exists here (same text and ids as the server); else None,
-        and /tokenize, /detokenize answer instead."""
-        if not root or not Path(root).is_dir():
-            return None
-        try:
-            from transformers import AutoTokenizer
-
-            return AutoTokenizer.from_pretrained(root)
-        except Exception:  # noqa: BLE001 - a tokenizer this transformers cannot read: fall back to the server
-            return None
-
     def shutdown(self) -> None:
         for replica in self._replicas:
             replica.shutdown()

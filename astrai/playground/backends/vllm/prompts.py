@@ -1,5 +1,5 @@
-"""Chat templates and token text from a vLLM server's ``/tokenize`` and ``/detokenize``, for a served model whose
-tokenizer is not on this machine (``VllmBackend`` uses the local tokenizer when it is).
+"""The served model and its text: which model (``/v1/models``), its tokenizer when it is on this machine, else chat
+templates and token text from the server's ``/tokenize`` and ``/detokenize``.
 
 What is cached, and what is not:
 
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -26,6 +28,44 @@ CHAT_CACHE = 256  # templated prompts kept (a scenario has a handful; a classroo
 DECODE_CACHE = 8192
 TRANSIENT = frozenset({408, 425, 429})  # and every 5xx
 NO_TEMPLATE = "chat template"  # what vLLM's 400 says of a model without one
+
+
+def resolve_model(http: httpx.Client, url: str, model_name: str | None) -> dict[str, Any]:
+    """The served model's entry in ``/v1/models``: the one named, or the only one."""
+    try:
+        response = http.get("/v1/models")
+        response.raise_for_status()
+        models = response.json().get("data", [])
+    except (httpx.HTTPError, ValueError) as exc:
+        if model_name:
+            return {"id": model_name}  # the operator named it: start, and reconnect when the server is up
+        raise BackendUnavailable(
+            f"cannot list the models of the vLLM server at {url}: {exc}. Is it running? "
+            "(pass --model-name to start without it)"
+        ) from exc
+    if model_name:
+        for model in models:
+            if model.get("id") == model_name:
+                return model
+        names = ", ".join(m.get("id", "?") for m in models) or "none"
+        raise ValueError(f"the vLLM server at {url} does not serve {model_name!r} (it serves: {names})")
+    if len(models) != 1:
+        names = ", ".join(m.get("id", "?") for m in models) or "none"
+        raise ValueError(f"the vLLM server at {url} serves {len(models)} models ({names}): pick one with --model-name")
+    return models[0]
+
+
+def load_tokenizer(root: str | None) -> Any:
+    """The served model's tokenizer when its path exists here (same text and ids as the server); else None,
+    and /tokenize, /detokenize answer instead."""
+    if not root or not Path(root).is_dir():
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(root)
+    except Exception:  # noqa: BLE001 - a tokenizer this transformers cannot read: fall back to the server
+        return None
 
 
 class ServerText:
