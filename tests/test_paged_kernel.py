@@ -102,6 +102,7 @@ def test_without_a_compiler_the_engine_attends_through_pytorch(fresh_kernel_cach
     assert text == tokenizer.decode(expected, skip_special_tokens=True)
     assert "decode attention kernel unavailable" in caplog.text
 
+
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("items", [[([0], 3, 1), ([1], 2, 1), ([2], 1, 1)], [([0, 1], 0, 6), ([2], 3, 1)]])
 def test_the_attention_op_agrees_with_its_fake(groups, items):
