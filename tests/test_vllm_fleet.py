@@ -27,7 +27,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from astrai.observation import CacheSnapshot, CacheStats, PageRecord
-from astrai.playground.backends.protocol import Served
+from astrai.playground.backends.protocol import Served, replica_of
 from astrai.playground.backends.vllm import fleet
 from astrai.playground.backends.vllm.router import RouterSpec, parse_router_metrics
 from astrai.playground.views import fleet as fleet_views
@@ -62,7 +62,9 @@ def test_replicas_pages_are_numbered_apart_and_back():
 
     merged = fleet.merge_snapshots([CacheSnapshot(3, (page(0), page(1))), CacheSnapshot(4, (page(0),))])
     assert [p.page for p in merged.pages] == [0, 1, 2] and merged.step == 4
-    assert [fleet.replica_of(p.page, 2) for p in merged.pages] == [(0, 0), (1, 0), (0, 1)]
+    assert [replica_of(p.page, 2) for p in merged.pages] == [(0, 0), (1, 0), (0, 1)]
+    split = fleet_views.split_pages(merged.pages, 2)
+    assert [[p.page for p in pages] for pages in split] == [[0, 1], [0]]
 
 
 def test_the_routers_metrics_name_its_decisions_per_replica():

@@ -35,6 +35,18 @@ def format_prompt(tokenizer, prefix: str, prompt: str) -> str:
     return prefix + prompt
 
 
+def fleet_page(page: int, replica: int, replicas: int) -> int:
+    """How a fleet numbers its pages seen as one pool: page ``p`` of replica ``r`` of ``n`` is ``p * n + r`` (unique,
+    and stable while the page stays). ``Backend.snapshot``/``history`` of a fleet use it; ``replica_of`` undoes it."""
+    return page * replicas + replica
+
+
+def replica_of(page: int, replicas: int) -> tuple[int, int]:
+    """``(replica, its own page number)`` of a fleet page number (``fleet_page``)."""
+    slot, replica = divmod(page, replicas)
+    return replica, slot
+
+
 class BackendError(RuntimeError):
     """Base of the errors a run can end with; the message is meant for the visitor."""
 

@@ -125,11 +125,12 @@ class LiveCallbacks:
         maps, lines = [], []
         for replica, state in zip(backend.replicas, states, strict=True):
             if state.stats is None:
-                maps.append((state, None))
+                maps.append((fleet.replica_map_title(state, None), None))
                 continue
             records = replica.snapshot().pages
             owners = self.ctx.visitors.owners(sorted(_requests(records)))
-            maps.append((state, pages.page_views(records, owners, session, set(), backend.decode)))
+            views = pages.page_views(records, owners, session, set(), backend.decode)
+            maps.append((fleet.replica_map_title(state, views), views))
             lines.append((state.name, series.series(replica.history(0), state.stats, now)))
         update: dict = {cache.page_map: fleet.replica_page_maps(maps, panel_label)}
         if streaming_since is not None and wall - max(streaming_since, cursor.occupancy_at) < OCCUPANCY_STREAMING_S:

@@ -10,7 +10,7 @@ from astrai.playground.callbacks.context import QUIET, Context, panel_label, ses
 from astrai.playground.callbacks.live import LiveCursor
 from astrai.playground.state import Playback, Visitor
 from astrai.playground.ui.components import fixed
-from astrai.playground.views import charts, pages, replay, tree
+from astrai.playground.views import charts, fleet, pages, replay, tree
 
 SPEEDS = {"1x": 1.0, "quarter": 0.25}
 
@@ -91,11 +91,21 @@ class ReplayCallbacks:
         data = replay.replay_series(recording, index)
         texts = replay.texts_at(recording, index, lambda ids: decode([t for t in ids if t not in special]))
         step = recording.samples[index - 1].step if index else recording.base.step
-        page_views = pages.page_views(records, owners, session, set(), decode)
+        if backend.replicas:  # a fleet: each replica's pages in its own map, as live
+            n = len(backend.replicas)
+            per_replica = fleet.split_pages(records, n)
+            maps = [
+                (replica.name, pages.page_views(mine, owners, session, set(), decode))
+                for replica, mine in zip(backend.replicas, per_replica, strict=True)
+            ]
+            page_map = fleet.replica_page_maps(maps, panel_label, title=f"Page map per replica after step {step}")
+        else:
+            page_views = pages.page_views(records, owners, session, set(), decode)
+            page_map = charts.page_map(page_views, panel_label, title=f"Page map after step {step}")
         update = {
             controls.step: index,  # a plain value: the maximum was set when the run ended
             controls.note: f"**Replay** · {replay.narrate(recording, index)}",
-            cache.page_map: charts.page_map(page_views, panel_label, title=f"Page map after step {step}"),
+            cache.page_map: page_map,
             cache.occupancy: charts.occupancy_chart(data),
             cache.lru: charts.lru_chart(data),
             cache.hit_rate: charts.hit_rate_chart(data),

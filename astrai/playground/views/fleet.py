@@ -8,14 +8,15 @@ request reported (``cached_tokens`` of ``prompt_tokens``), grouped by the replic
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from astrai.observation import CacheStats, RequestInfo
-from astrai.playground.backends.protocol import RouterMetrics, Served
+from astrai.observation import CacheStats, PageRecord, RequestInfo
+from astrai.playground.backends.protocol import RouterMetrics, Served, replica_of
 from astrai.playground.views.charts import GRID, PLAIN, page_cells, page_grid
 from astrai.playground.views.pages import PageView
 from astrai.playground.views.series import Series
@@ -84,18 +85,30 @@ def _n(value: int | None) -> str:
     return "n/a" if value is None else str(value)
 
 
+def replica_map_title(replica: ReplicaState, pages: Sequence[PageView] | None) -> str:
+    """A replica's page map title: its load, or that it cannot be reached."""
+    if pages is None or replica.stats is None:
+        return f"{replica.name}: unreachable"
+    held = sum(p.state != "free" for p in pages)
+    return f"{replica.name}: {held} blocks held, {_n(replica.stats.used_pages)} in use"
+
+
+def split_pages(records: Sequence[PageRecord], replicas: int) -> list[list[PageRecord]]:
+    """A fleet's pages, seen as one pool (``protocol.fleet_page``), back into each replica's own."""
+    split: list[list[PageRecord]] = [[] for _ in range(replicas)]
+    for record in records:
+        replica, page = replica_of(record.page, replicas)
+        split[replica].append(dataclasses.replace(record, page=page))
+    return split
+
+
 def replica_page_maps(
-    maps: Sequence[tuple[ReplicaState, Sequence[PageView] | None]], panel_label: Callable[[int], str]
+    maps: Sequence[tuple[str, Sequence[PageView] | None]],
+    panel_label: Callable[[int], str],
+    title: str = "Page map per replica",
 ) -> go.Figure:
-    """Each replica's page map, side by side, its title its load; an unreachable replica's says so."""
-    titles = []
-    for replica, pages in maps:
-        if pages is None or replica.stats is None:
-            titles.append(f"{replica.name}: unreachable")
-        else:
-            held = sum(p.state != "free" for p in pages)
-            titles.append(f"{replica.name}: {held} blocks held, {_n(replica.stats.used_pages)} in use")
-    fig = make_subplots(rows=1, cols=len(maps), subplot_titles=titles, horizontal_spacing=0.04)
+    """Each replica's page map, side by side, under its own title (None pages: an empty map)."""
+    fig = make_subplots(rows=1, cols=len(maps), subplot_titles=[t for t, _ in maps], horizontal_spacing=0.04)
     rows = 1
     for col, (_, pages) in enumerate(maps, start=1):
         grid = page_grid(pages or [], panel_label, cols=24)
@@ -110,7 +123,7 @@ def replica_page_maps(
         margin=dict(l=5, r=5, t=40, b=5),
         **PLAIN,
         showlegend=False,
-        title=dict(text="Page map per replica (x = shared)", font=dict(size=13), y=0.98),
+        title=dict(text=f"{title} (x = shared)", font=dict(size=13), y=0.98),
         uirevision="keep",
     )
     return fig

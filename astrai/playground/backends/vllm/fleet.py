@@ -17,7 +17,7 @@ import heapq
 from collections.abc import Iterable, Sequence
 
 from astrai.observation import CacheSnapshot, CacheStats, EngineEvent, PageRecord, StepSample
-from astrai.playground.backends.protocol import BackendUnavailable, Served
+from astrai.playground.backends.protocol import BackendUnavailable, Served, fleet_page
 from astrai.playground.backends.vllm.replica import Replica
 
 SUMMED = (
@@ -33,16 +33,6 @@ SUMMED = (
     "running",
     "waiting",
 )
-
-
-def fleet_page(page: int, replica: int, replicas: int) -> int:
-    return page * replicas + replica
-
-
-def replica_of(page: int, replicas: int) -> tuple[int, int]:
-    """``(replica, its own page number)`` of a fleet page number."""
-    slot, replica = divmod(page, replicas)
-    return replica, slot
 
 
 def merge_stats(stats: Sequence[CacheStats]) -> CacheStats:
@@ -193,10 +183,8 @@ class Replicas:
 
 __all__ = [
     "Replicas",
-    "fleet_page",
     "merge_events",
     "merge_history",
     "merge_snapshots",
     "merge_stats",
-    "replica_of",
 ]
