@@ -165,6 +165,8 @@ def server_env(args: argparse.Namespace) -> dict[str, str]:
     if args.dev_mode:
         # Registers vLLM's development routes, among them POST /reset_prefix_cache. Loopback use only.
         env["VLLM_SERVER_DEV_MODE"] = "1"
+    if getattr(args, "cpu_bind", None):
+        env["VLLM_CPU_OMP_THREADS_BIND"] = args.cpu_bind  # the cores its model runs on (a fleet spreads them)
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("DO_NOT_TRACK", "1")
     return env
@@ -385,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     is_fleet = args.replicas > 1 or bool(args.router)
     try:
         if is_fleet:
+            sys.modules.setdefault("serve_vllm", sys.modules[__name__])  # vllm_fleet's `import serve_vllm`: this one
             import vllm_fleet  # beside this script
 
             if args.stop:

@@ -1,8 +1,9 @@
 """A local vLLM fleet for `serve_vllm.py --replicas N --router POLICY[,POLICY]`: N vLLM CPU replicas of one model
 and one vLLM router (`vllm-router`, PyPI) per policy in front of them, all on loopback.
 
-Replica i serves on PORT + i and publishes its KV events on tcp://*:KV_PORT + 2i (replay on KV_PORT + 2i + 1): tcp,
-because the router's `kv_aware` policy reads the same events and accepts only tcp endpoints. Router j serves on
+Replica i serves on PORT + i, runs its model on core i (modulo the cores; vLLM's own choice put every replica on
+the same core), and publishes its KV events on tcp://*:KV_PORT + 2i (replay on KV_PORT + 2i + 1): tcp, because the
+router's `kv_aware` policy reads the same events and accepts only tcp endpoints. Router j serves on
 ROUTER_PORT + j, its Prometheus metrics on ROUTER_METRICS_PORT + j, and checks the replicas' health every 2 s
 (default 60 s), so a replica that dies is routed around within seconds. The router lives in a venv of its own
 (`--router-venv`, made on first use: `pip install vllm-router`, a Rust binary in a wheel).
@@ -36,6 +37,9 @@ def replica_args(args: argparse.Namespace, i: int) -> argparse.Namespace:
     replica.kv_replay = f"tcp://*:{args.kv_port + 2 * i + 1}"
     replica.log = args.venv / "run" / f"server-{replica.port}.log"
     replica.pid_file = args.venv / "run" / f"server-{replica.port}.pid"
+    # vLLM binds its model's OpenMP threads by itself ("auto"), and every replica picked the same core: two
+    # replicas then share one core and leave the other idle. Replica i gets core i (modulo the cores there are).
+    replica.cpu_bind = str(i % (os.cpu_count() or 1))
     return replica
 
 
