@@ -8,7 +8,7 @@ import random
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -54,6 +54,12 @@ class InferenceEngine:
     (``dtype``, ``packed_weights``, ``attention_kernel``, ``compile``) must then equal the first engine's, or the
     constructor raises ``ValueError``. The last engine on the model to shut down hands it back as it came.
 
+    ``compile`` serves the model compiled by ``torch.compile``, loaded from the on-disk cache when this machine
+    compiled that model before (seconds), else compiled now (a minute or so on 2 cores) and cached
+    (``compiled_forward.py``); where it cannot be compiled (no C++ compiler), the engine logs a warning and serves
+    eager. ``progress``, if given, is called with a line of text as a slow start goes (a cold compile), on the
+    constructor's thread.
+
     Threads and locks (who owns what):
 
     * The **loop thread** (``astrai-engine``) is the only writer of the scheduler, the cache manager, the page pool,
@@ -94,6 +100,7 @@ class InferenceEngine:
         packed_weights: bool = True,
         attention_kernel: bool = True,
         compile: bool = False,
+        progress: Callable[[str], None] | None = None,
         event_log_size: int = 4096,
         history_size: int = 4096,
         keep_finished: int = 512,
@@ -142,7 +149,9 @@ class InferenceEngine:
         self.pool = PagePool(n_pages, page_size, emit=self._emit)
         self.cache = KVCacheManager(self.pool, prefix_caching)
         self.scheduler = Scheduler(self.cache, max_batch_size, max_batched_tokens, self._emit)
-        self.runner = ModelRunner(model, n_pages, page_size, torch_dtype, packed_weights, attention_kernel, compile)
+        self.runner = ModelRunner(
+            model, n_pages, page_size, torch_dtype, packed_weights, attention_kernel, compile, progress
+        )
 
         self._cancelled: set[int] = set()
         self._outputs: dict[int, tuple[queue.SimpleQueue, int, IncrementalDetokenizer]] = {}

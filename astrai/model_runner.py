@@ -3,15 +3,14 @@
 The model definition is transformers' own; serving it takes two parts. ``PreparedModel`` prepares the model in
 place, once for every engine built on it: it switches its attention implementation to ours and, unless told not to,
 fuses and packs its linear weights (``packed_linear.py``), picks the C kernel to attend decodes where it builds
-(``paged_kernel.py``), and with ``compile=True`` compiles the same fused, packed layers into one graph with the rest
-of the model (inductor freezing makes their weights constants). ``ModelRunner`` is one engine's: it owns that
+(``paged_kernel.py``), and with ``compile=True`` compiles the whole model, those layers included, into one graph,
+or loads it already compiled from disk (``compiled_forward.py``). ``ModelRunner`` is one engine's: it owns that
 engine's KV tensors, flattens its scheduled requests into one ``[1, T]`` row and computes logits just for the rows
 that sample, through the prepared model it shares with any other engine on the same model object.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from astrai.attention import ATTN_IMPLEMENTATION, PagedBatch, build_paged_batch, serving
+from astrai.compiled_forward import CompiledForward, Progress, load_or_compile, logits
 from astrai.model_thread import SharedForwards
 from astrai.packed_linear import pack_linears, packing_supported, unpack_linears
 from astrai.paged_kernel import DecodeKernel, load_decode_kernel
@@ -98,9 +98,12 @@ class PreparedModel:
     Who owns what, under which lock:
 
     * The **preparation** (the converted dtype and the original tensors, the attention implementation, the packed
-      layers, the decode kernel choice, the compiled forward) is made by the first ``acquire`` and undone by the last
-      ``release``, both under the module's ``_prepared_lock``, which also guards the registry of prepared models and
-      each one's count of users. Between the two it is read-only: no engine changes the model while another uses it.
+      layers, the decode kernel choice) is made by the first ``acquire`` and undone by the last ``release``, both
+      under the module's ``_prepared_lock``, which also guards the registry of prepared models and each one's count
+      of users. Between the two it is read-only: no engine changes the model while another uses it.
+    * The **compiled forward** is made by the first ``compile`` (each engine calls it after ``acquire``), under
+      the model's own ``_compile_lock``, not ``_prepared_lock``: a cold compile takes a minute, during which
+      engines on other models start and stop freely; an engine on this model waits for it, then finds it made.
     * The **forward** goes through ``forwards`` (``SharedForwards``, ``model_thread.py``): one at a time, and while
       several engines on the model are busy, on its one model thread: the packed layers'
       ``FusedProduct`` keeps per-call state, a compiled graph is not safe for two threads at once, and one thread
@@ -137,8 +140,9 @@ class PreparedModel:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         pack = preparation.packed_weights and packing_supported(dtype)
         self.packed_linears = self._pack() if pack else 0
-        # eager steps call the model itself (so a wrapper put on its forward later, as the soak's faults, still runs)
-        self.compiled = torch.compile(model.forward, dynamic=True) if preparation.compile else None
+        self.compiled: CompiledForward | None = None
+        self._compile_lock = threading.Lock()
+        self._compile_tried = False
         self.forwards = SharedForwards(f"astrai-model-{id(model):x}")  # last: nothing above can fail and leave it
 
     @staticmethod
@@ -165,6 +169,14 @@ class PreparedModel:
             if self.users == 0:
                 del _prepared[id(self.model)]
                 self.restore()
+
+    def compile(self, progress: Progress | None = None) -> None:
+        """Compile the forward (or load it compiled) if asked for and not tried yet; the engine serves eager where
+        it cannot be compiled. Call between ``acquire`` and ``release``."""
+        with self._compile_lock:
+            if self.preparation.compile and not self._compile_tried:
+                self._compile_tried = True
+                self.compiled = load_or_compile(self.model, progress)
 
     def _pack(self) -> int:
         """Packing is only a speed-up: where oneDNN refuses a weight, the model keeps its own layers."""
@@ -197,18 +209,10 @@ class PreparedModel:
     def _forward(
         self, batch: PagedBatch, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor
     ) -> torch.Tensor:
-        forward, freezing = self.model, contextlib.nullcontext()
-        if self.compiled is not None:
-            # freezing is patched in around the call rather than passed as torch.compile's option, which left
-            # every weight a graph input here (torch 2.13): unpacked, and refused by the packed layers' op
-            forward, freezing = self.compiled, torch._inductor.config.patch(freezing=True)
-            # unbacked: a step of one token (or one sampled row) must not get a graph of its own, as a size of 1
-            # otherwise would; one graph then serves every step
-            for tensor, dim in ((tokens, 1), (positions, 1), (rows, 0)):
-                torch._dynamo.decorators.mark_unbacked(tensor, dim)
-        with serving(batch), freezing:
-            out = forward(input_ids=tokens, position_ids=positions, use_cache=False, logits_to_keep=rows)
-        return out.logits[0]
+        # eager, ``logits`` calls the model itself (so a wrapper put on its forward later, as the soak's faults, runs)
+        forward = logits if self.compiled is None else self.compiled
+        with serving(batch):
+            return forward(self.model, tokens, positions, rows)[0]
 
 
 def _check_locked(model: PreTrainedModel, preparation: Preparation) -> PreparedModel | None:
@@ -247,6 +251,7 @@ class ModelRunner:
         packed_weights: bool = True,
         attention_kernel: bool = True,
         compile: bool = False,
+        progress: Progress | None = None,
     ):
         config = model.config
         check_supported(config)
@@ -264,6 +269,7 @@ class ModelRunner:
         ]
         self.prepared = PreparedModel.acquire(model, preparation)
         self._released = False
+        self.prepared.compile(progress)
 
     @property
     def model(self) -> PreTrainedModel:
