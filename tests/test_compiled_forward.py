@@ -77,11 +77,14 @@ def test_an_artifact_that_does_not_load_is_compiled_again(compiled_once, tmp_pat
         torch.compiler.load_compiled_function(file)
 
 
-def test_without_a_cxx_compiler_the_engine_serves_eager(monkeypatch, caplog, tokenizer):
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "no-such-compiler"))
+def test_without_a_cxx_compiler_the_engine_serves_eager(caplog, tokenizer):
     model = make_model("llama", len(tokenizer))
     expected = reference_generate(model, tokenizer, "Once upon a time", 8)
-    with caplog.at_level(logging.WARNING, logger="astrai"), InferenceEngine(model, tokenizer, n_pages=64) as engine:
+    with (
+        torch._inductor.config.patch({"cpp.cxx": (None, "no-such-compiler")}),
+        caplog.at_level(logging.WARNING, logger="astrai"),
+        InferenceEngine(model, tokenizer, n_pages=64) as engine,
+    ):
         assert engine.runner.compiled is None
         text = engine.generate("Once upon a time", max_tokens=8)
     assert text == tokenizer.decode(expected, skip_special_tokens=True)
