@@ -39,6 +39,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -60,12 +61,21 @@ Progress = Callable[[str], None]
 _lock = threading.Lock()  # one compile or load at a time: inductor's cache directory is a process-wide setting
 
 
+@dataclass(frozen=True)
+class Compiled:
+    """A compiled forward and how this process got it."""
+
+    forward: CompiledForward
+    loaded: bool  # from the cache; else compiled now (and saved, where the cache is writable)
+    seconds: float  # what the load or the compile took
+
+
 def logits(model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, rows: torch.Tensor):
     """The logits of ``rows`` of one step: what is compiled (a module-level function, so an artifact can name it)."""
     return model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=rows).logits
 
 
-def load_or_compile(model: PreTrainedModel, progress: Progress | None = None) -> CompiledForward | None:
+def load_or_compile(model: PreTrainedModel, progress: Progress | None = None) -> Compiled | None:
     """``logits`` compiled for ``model`` as it is prepared now: loaded from the cache, else compiled and saved
     there (``progress`` and the log say so, and how long it took); None, logged, where it cannot be compiled."""
     if (missing := _missing_compiler()) is not None:
@@ -82,8 +92,9 @@ def load_or_compile(model: PreTrainedModel, progress: Progress | None = None) ->
             except Exception:
                 log.warning("could not load the compiled forward in %s; compiling it again", folder, exc_info=True)
             else:
-                log.info("compiled forward loaded from %s in %.1f s", folder, time.perf_counter() - started)
-                return loaded
+                seconds = time.perf_counter() - started
+                log.info("compiled forward loaded from %s in %.1f s", folder, seconds)
+                return Compiled(loaded, loaded=True, seconds=seconds)
         _tell(
             progress,
             f"Compiling {type(model).__name__} for this CPU: once per machine and model, a minute or so on 2 cores "
@@ -98,8 +109,9 @@ def load_or_compile(model: PreTrainedModel, progress: Progress | None = None) ->
             compiled.save_compiled_function(str(artifact))  # written aside, then renamed
         except Exception:
             log.warning("could not save the compiled forward in %s; next start compiles again", folder, exc_info=True)
-        _tell(progress, f"Compiled {type(model).__name__} in {time.perf_counter() - started:.0f} s.")
-        return compiled
+        seconds = time.perf_counter() - started
+        _tell(progress, f"Compiled {type(model).__name__} in {seconds:.0f} s.")
+        return Compiled(compiled, loaded=False, seconds=seconds)
 
 
 def cache_key(model: PreTrainedModel) -> str:

@@ -54,8 +54,8 @@ class InferenceEngine:
     (``dtype``, ``packed_weights``, ``attention_kernel``, ``compile``) must then equal the first engine's, or the
     constructor raises ``ValueError``. The last engine on the model to shut down hands it back as it came.
 
-    ``compile`` serves the model compiled by ``torch.compile``, loaded from the on-disk cache when this machine
-    compiled that model before (seconds), else compiled now (a minute or so on 2 cores) and cached
+    ``compile`` (the default) serves the model compiled by ``torch.compile``, loaded from the on-disk cache when this
+    machine compiled that model before (seconds), else compiled now (a minute or so on 2 cores) and cached
     (``compiled_forward.py``); where it cannot be compiled (no C++ compiler), the engine logs a warning and serves
     eager. ``progress``, if given, is called with a line of text as a slow start goes (a cold compile), on the
     constructor's thread.
@@ -99,7 +99,7 @@ class InferenceEngine:
         dtype: str = "float32",
         packed_weights: bool = True,
         attention_kernel: bool = True,
-        compile: bool = False,
+        compile: bool = True,
         progress: Callable[[str], None] | None = None,
         event_log_size: int = 4096,
         history_size: int = 4096,

@@ -3,7 +3,7 @@
 The model definition is transformers' own; serving it takes two parts. ``PreparedModel`` prepares the model in
 place, once for every engine built on it: it switches its attention implementation to ours and, unless told not to,
 fuses and packs its linear weights (``packed_linear.py``), picks the C kernel to attend decodes where it builds
-(``paged_kernel.py``), and with ``compile=True`` compiles the whole model, those layers included, into one graph,
+(``paged_kernel.py``), and unless told not to, compiles the whole model, those layers included, into one graph,
 or loads it already compiled from disk (``compiled_forward.py``). ``ModelRunner`` is one engine's: it owns that
 engine's KV tensors, flattens its scheduled requests into one ``[1, T]`` row and computes logits just for the rows
 that sample, through the prepared model it shares with any other engine on the same model object.
@@ -19,7 +19,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from astrai.attention import ATTN_IMPLEMENTATION, PagedBatch, build_paged_batch, serving
-from astrai.compiled_forward import CompiledForward, Progress, load_or_compile, logits
+from astrai.compiled_forward import Compiled, Progress, load_or_compile, logits
 from astrai.model_thread import SharedForwards
 from astrai.packed_linear import pack_linears, packing_supported, unpack_linears
 from astrai.paged_kernel import DecodeKernel, load_decode_kernel
@@ -74,7 +74,7 @@ class Preparation:
     dtype: torch.dtype
     packed_weights: bool = True
     attention_kernel: bool = True
-    compile: bool = False
+    compile: bool = True
 
     def differences(self, other: Preparation) -> list[str]:
         """``name=asked (serving: name=held)`` for each option that differs from ``other`` (the one being served)."""
@@ -140,7 +140,7 @@ class PreparedModel:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         pack = preparation.packed_weights and packing_supported(dtype)
         self.packed_linears = self._pack() if pack else 0
-        self.compiled: CompiledForward | None = None
+        self.compiled: Compiled | None = None
         self._compile_lock = threading.Lock()
         self._compile_tried = False
         self.forwards = SharedForwards(f"astrai-model-{id(model):x}")  # last: nothing above can fail and leave it
@@ -210,7 +210,7 @@ class PreparedModel:
         self, batch: PagedBatch, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor
     ) -> torch.Tensor:
         # eager, ``logits`` calls the model itself (so a wrapper put on its forward later, as the soak's faults, runs)
-        forward = logits if self.compiled is None else self.compiled
+        forward = logits if self.compiled is None else self.compiled.forward
         with serving(batch):
             return forward(self.model, tokens, positions, rows)[0]
 
@@ -250,7 +250,7 @@ class ModelRunner:
         dtype: torch.dtype,
         packed_weights: bool = True,
         attention_kernel: bool = True,
-        compile: bool = False,
+        compile: bool = True,
         progress: Progress | None = None,
     ):
         config = model.config
@@ -288,7 +288,7 @@ class ModelRunner:
         return self.prepared.packed_linears
 
     @property
-    def compiled(self) -> object | None:
+    def compiled(self) -> Compiled | None:
         return self.prepared.compiled
 
     def release(self) -> None:

@@ -23,6 +23,7 @@ from astrai.compiled_forward import ARTIFACT, cache_key
 from astrai.packed_linear import pack_linears
 from tests.support import compiled_run
 from tests.support.tiny_models import make_model, reference_generate
+from tools.loadtest import launch_app, run_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -124,3 +125,17 @@ def test_the_key_covers_what_the_compiled_graph_depends_on(monkeypatch, tokenize
         with monkeypatch.context() as patch:
             change(patch)
             assert key() != base, what
+
+
+def test_without_compilers_the_app_starts_and_serves_eager(tmp_path):
+    """``python app.py`` where neither inductor's C++ compiler nor the C kernel's can be found (and none was built
+    before: an empty cache): it starts, says why it serves eager, and serves."""
+    from gradio_client import Client
+
+    log = tmp_path / "app.log"
+    env = {"CXX": "no-such-compiler", "CC": "no-such-compiler", "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    with launch_app(env, log_path=log) as url:
+        texts = Client(url, verbose=False).predict(**run_args(["Once upon a time"], 8), api_name="/run")
+    assert texts[0].strip()
+    said = log.read_text()
+    assert "torch.compile needs a C++ compiler" in said and "decode attention kernel unavailable" in said, said

@@ -9,7 +9,6 @@ graph), an engine with ``compile=True`` generates greedily; printed per model: w
 from __future__ import annotations
 
 import json
-import logging
 import sys
 
 from astrai import InferenceEngine, packed_linear
@@ -19,34 +18,16 @@ PROMPTS = ["Once upon a time there was a little cat.", "The dog", "Lily and Tom 
 NEW_TOKENS = 12
 
 
-class Sources(logging.Handler):
-    """Where each compiled forward came from, as the engine's log says it."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.seen: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        text = record.getMessage()
-        if text.startswith("compiled forward loaded from"):
-            self.seen.append("loaded")
-        elif text.startswith("Compiled "):
-            self.seen.append("compiled")
-
-
 def main(seeds: list[int]) -> None:
     packed_linear.MIN_FLOAT32_ELEMENTS = 0
-    sources = Sources()
-    log = logging.getLogger("astrai")
-    log.addHandler(sources)
-    log.setLevel(logging.INFO)
     tokenizer = make_tokenizer()
     results = []
     for seed in seeds:
         model = make_model("llama", len(tokenizer), seed=seed)
         reference = [reference_generate(model, tokenizer, p, NEW_TOKENS) for p in PROMPTS]
         with InferenceEngine(model, tokenizer, page_size=4, n_pages=64, compile=True) as engine:
-            source = sources.seen.pop() if engine.runner.compiled is not None else "eager"
+            compiled = engine.runner.compiled
+            source = "eager" if compiled is None else "loaded" if compiled.loaded else "compiled"
             stream = engine.generate(PROMPTS, max_tokens=NEW_TOKENS, stream=True)
             for _ in stream:
                 pass
