@@ -70,7 +70,9 @@ class Compiled:
     seconds: float  # what the load or the compile took
 
 
-def logits(model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, rows: torch.Tensor):
+def logits(
+    model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, rows: torch.Tensor
+) -> torch.Tensor:
     """The logits of ``rows`` of one step: what is compiled (a module-level function, so an artifact can name it)."""
     return model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=rows).logits
 
@@ -82,36 +84,42 @@ def load_or_compile(model: PreTrainedModel, progress: Progress | None = None) ->
         log.warning("torch.compile needs a C++ compiler and %s; serving the model eager", missing)
         return None
     folder = cache_dir("compiled") / cache_key(model)
-    artifact = folder / ARTIFACT
     with _lock, temporary_cache_dir(str(folder / "inductor")), torch.inference_mode():
-        started = time.perf_counter()
-        if artifact.exists():
-            try:
-                with artifact.open("rb") as file:
-                    loaded = torch.compiler.load_compiled_function(file)
-            except Exception:
-                log.warning("could not load the compiled forward in %s; compiling it again", folder, exc_info=True)
-            else:
-                seconds = time.perf_counter() - started
-                log.info("compiled forward loaded from %s in %.1f s", folder, seconds)
-                return Compiled(loaded, loaded=True, seconds=seconds)
-        _tell(
-            progress,
-            f"Compiling {type(model).__name__} for this CPU: once per machine and model, a minute or so on 2 cores "
-            f"(cached in {folder})…",
-        )
-        try:
-            compiled = _compile(model)
-        except Exception:
-            log.warning("torch.compile failed; serving the model eager", exc_info=True)
-            return None
-        try:
-            compiled.save_compiled_function(str(artifact))  # written aside, then renamed
-        except Exception:
-            log.warning("could not save the compiled forward in %s; next start compiles again", folder, exc_info=True)
-        seconds = time.perf_counter() - started
-        _tell(progress, f"Compiled {type(model).__name__} in {seconds:.0f} s.")
-        return Compiled(compiled, loaded=False, seconds=seconds)
+        return _load(folder) or _compile_and_save(model, folder, progress)
+
+
+def _load(folder: Path) -> Compiled | None:
+    artifact = folder / ARTIFACT
+    if not artifact.exists():
+        return None
+    started = time.perf_counter()
+    try:
+        with artifact.open("rb") as file:
+            loaded = torch.compiler.load_compiled_function(file)
+    except Exception:
+        log.warning("could not load the compiled forward in %s; compiling it again", folder, exc_info=True)
+        return None
+    seconds = time.perf_counter() - started
+    log.info("compiled forward loaded from %s in %.1f s", folder, seconds)
+    return Compiled(loaded, loaded=True, seconds=seconds)
+
+
+def _compile_and_save(model: PreTrainedModel, folder: Path, progress: Progress | None) -> Compiled | None:
+    name = type(model).__name__
+    _tell(progress, f"Compiling {name} for this CPU, once per machine and model (20-80 s on 2 cores), into {folder}…")
+    started = time.perf_counter()
+    try:
+        compiled = _compile(model)
+    except Exception:
+        log.warning("torch.compile failed; serving the model eager", exc_info=True)
+        return None
+    try:
+        compiled.save_compiled_function(str(folder / ARTIFACT))  # written aside, then renamed
+    except Exception:
+        log.warning("could not save the compiled forward in %s; next start compiles again", folder, exc_info=True)
+    seconds = time.perf_counter() - started
+    _tell(progress, f"Compiled {name} in {seconds:.0f} s.")
+    return Compiled(compiled, loaded=False, seconds=seconds)
 
 
 def cache_key(model: PreTrainedModel) -> str:
