@@ -24,6 +24,7 @@ ASTRAI_ALLOW_HUB_MODELS=1.
 """
 
 import argparse
+import logging
 import os
 import sys
 
@@ -94,6 +95,9 @@ def make_engines(args: argparse.Namespace):
     return SingleServer(backend, DEFAULT_PROFILE)
 
 
+# the engine's own lines (a first start compiling the model, an engine serving eager and why) reach the console
+logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+logging.getLogger("astrai").setLevel(logging.INFO)
 ARGS = parse_args()
 demo = create_app(make_engines(ARGS), allow_hub_models=ARGS.allow_hub_models)
 

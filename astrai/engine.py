@@ -8,7 +8,7 @@ import random
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -53,12 +53,18 @@ class InferenceEngine:
     It runs on one device (``device``: CUDA where available, else the CPU; ``astrai/device.py``): the model's weights,
     the KV tensors, each step's metadata and the sampling live there, and the sampled tokens come back to the host
     once per step. The CPU-only speed-ups (``packed_weights``, ``attention_kernel``, OpenMP pool releases) are on by
-    default on the CPU and off elsewhere.
+    default on the CPU and off elsewhere; so is ``compile`` (below), which a CUDA engine takes only when asked.
 
     A model already serving another engine is shared, not loaded or prepared again: each engine has its own pool,
     scheduler and KV tensors, and they take turns at the model's forward; the options that prepare the model
     (``dtype``, ``device``, ``packed_weights``, ``attention_kernel``, ``compile``) must then equal the first engine's,
     or the constructor raises ``ValueError``. The last engine on the model to shut down hands it back as it came.
+
+    ``compile`` (the default on the CPU) serves the model compiled by ``torch.compile``, loaded from the on-disk
+    cache when this machine compiled that model before (seconds), else compiled now (a minute or so on 2 cores) and
+    cached (``compiled_forward.py``); where it cannot be compiled (no C++ compiler), the engine logs a warning and
+    serves eager. ``progress``, if given, is called with a line of text as a slow start goes (a cold compile), on the
+    constructor's thread.
 
     Threads and locks (who owns what):
 
@@ -100,7 +106,8 @@ class InferenceEngine:
         device: str | torch.device | None = None,
         packed_weights: bool | None = None,
         attention_kernel: bool | None = None,
-        compile: bool = False,
+        compile: bool | None = None,
+        progress: Callable[[str], None] | None = None,
         event_log_size: int = 4096,
         history_size: int = 4096,
         keep_finished: int = 512,
@@ -117,9 +124,10 @@ class InferenceEngine:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name, flag in (("prefix_caching", prefix_caching), ("compile", compile)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"{name} must be True or False, got {flag!r}")
+        if not isinstance(prefix_caching, bool):
+            raise ValueError(f"prefix_caching must be True or False, got {prefix_caching!r}")
+        if compile is not None and not isinstance(compile, bool):
+            raise ValueError(f"compile must be True, False or None (where it applies), got {compile!r}")
         torch_dtype = SUPPORTED_DTYPES[dtype]
         self.device = resolve_device(device)
         preparation = Preparation.resolve(torch_dtype, self.device, packed_weights, attention_kernel, compile)
@@ -145,7 +153,7 @@ class InferenceEngine:
         self.pool = PagePool(n_pages, page_size, emit=self._emit)
         self.cache = KVCacheManager(self.pool, prefix_caching)
         self.scheduler = Scheduler(self.cache, max_batch_size, max_batched_tokens, self._emit)
-        self.runner = ModelRunner(model, n_pages, page_size, preparation)
+        self.runner = ModelRunner(model, n_pages, page_size, preparation, progress)
 
         self._cancelled: set[int] = set()
         self._outputs: dict[int, tuple[queue.SimpleQueue, int, IncrementalDetokenizer]] = {}

@@ -3,16 +3,15 @@
 The model definition is transformers' own; serving it takes two parts. ``PreparedModel`` prepares the model in
 place, once for every engine built on it: it moves its weights to the engine's device and dtype, switches its
 attention implementation to ours and, on the CPU unless told not to, fuses and packs its linear weights
-(``packed_linear.py``) and picks the C kernel to attend decodes where it builds (``paged_kernel.py``); with
-``compile=True`` it compiles the model (on the CPU, those fused, packed layers included) into one graph (inductor
-freezing makes the weights constants). ``ModelRunner`` is one engine's: it owns that engine's KV tensors (on the
-device), flattens its scheduled requests into one ``[1, T]`` row and computes logits just for the rows that sample,
-through the prepared model it shares with any other engine on the same model object.
+(``packed_linear.py``), picks the C kernel to attend decodes where it builds (``paged_kernel.py``), and (on the CPU
+unless told not to, on CUDA when asked) compiles the whole model, those layers included, into one graph, or loads
+it already compiled from disk (``compiled_forward.py``). ``ModelRunner`` is one engine's: it owns that engine's KV
+tensors (on the device), flattens its scheduled requests into one ``[1, T]`` row and computes logits just for the
+rows that sample, through the prepared model it shares with any other engine on the same model object.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from astrai.attention import ATTN_IMPLEMENTATION, PagedBatch, build_paged_batch, serving
+from astrai.compiled_forward import Compiled, Progress, load_or_compile, logits
 from astrai.device import resolve_cpu_speedup, to_device, uses_openmp
 from astrai.model_thread import SharedForwards
 from astrai.packed_linear import pack_linears, packing_supported, unpack_linears
@@ -99,13 +99,16 @@ class Preparation:
         device: torch.device,
         packed_weights: bool | None = None,
         attention_kernel: bool | None = None,
-        compile: bool = False,
+        compile: bool | None = None,
     ) -> Preparation:
         """The engine's options as a preparation: ``None`` speed-ups on where they apply, refused where they do not
-        (``ValueError``, ``device.resolve_cpu_speedup``)."""
+        (``ValueError``, ``device.resolve_cpu_speedup``). ``compile=None`` compiles on the CPU, where the compiled
+        forward is cached on disk and measured faster; on CUDA only when asked (its cache has not been measured
+        there)."""
         packed = resolve_cpu_speedup("packed_weights", packed_weights, device)
         kernel = resolve_cpu_speedup("attention_kernel", attention_kernel, device)
-        return cls(dtype, device, packed, kernel, compile)
+        compiled = device.type == "cpu" if compile is None else bool(compile)
+        return cls(dtype, device, packed, kernel, compiled)
 
     def differences(self, other: Preparation) -> list[str]:
         """``name=asked (serving: name=held)`` for each option that differs from ``other`` (the one being served)."""
@@ -129,10 +132,13 @@ class PreparedModel:
     Who owns what, under which lock:
 
     * The **preparation** (the weights moved to the device and dtype, and the original tensors, the attention
-      implementation, the packed layers, the decode kernel choice, the compiled forward) is made by the first
-      ``acquire`` and undone by the last ``release``, both under the module's ``_prepared_lock``, which also guards
-      the registry of prepared models and each one's count of users. Between the two it is read-only: no engine
-      changes the model while another uses it.
+      implementation, the packed layers, the decode kernel choice) is made by the first ``acquire`` and undone by the
+      last ``release``, both under the module's ``_prepared_lock``, which also guards the registry of prepared
+      models and each one's count of users. Between the two it is read-only: no engine changes the model while
+      another uses it.
+    * The **compiled forward** is made by the first ``compile`` (each engine calls it after ``acquire``), under
+      the model's own ``_compile_lock``, not ``_prepared_lock``: a cold compile takes a minute, during which
+      engines on other models start and stop freely; an engine on this model waits for it, then finds it made.
     * The **forward** goes through ``forwards`` (``SharedForwards``, ``model_thread.py``): one at a time, and while
       several engines on the model are busy, on its one model thread: the packed layers'
       ``FusedProduct`` keeps per-call state, a compiled graph is not safe for two threads at once, and one thread
@@ -169,8 +175,9 @@ class PreparedModel:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         pack = preparation.packed_weights and packing_supported(dtype)
         self.packed_linears = self._pack() if pack else 0
-        # eager steps call the model itself (so a wrapper put on its forward later, as the soak's faults, still runs)
-        self.compiled = torch.compile(model.forward, dynamic=True) if preparation.compile else None
+        self.compiled: Compiled | None = None
+        self._compile_lock = threading.Lock()
+        self._compile_tried = False
         # last: nothing above can fail and leave it
         self.forwards = SharedForwards(f"astrai-model-{id(model):x}", uses_openmp(preparation.device))
 
@@ -198,6 +205,14 @@ class PreparedModel:
             if self.users == 0:
                 del _prepared[id(self.model)]
                 self.restore()
+
+    def compile(self, progress: Progress | None = None) -> None:
+        """Compile the forward (or load it compiled) if asked for and not tried yet; the engine serves eager where
+        it cannot be compiled. Call between ``acquire`` and ``release``."""
+        with self._compile_lock:
+            if self.preparation.compile and not self._compile_tried:
+                self._compile_tried = True
+                self.compiled = load_or_compile(self.model, progress)
 
     def _pack(self) -> int:
         """Packing is only a speed-up: where oneDNN refuses a weight, the model keeps its own layers."""
@@ -230,18 +245,10 @@ class PreparedModel:
     def _forward(
         self, batch: PagedBatch, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor
     ) -> torch.Tensor:
-        forward, freezing = self.model, contextlib.nullcontext()
-        if self.compiled is not None:
-            # freezing is patched in around the call rather than passed as torch.compile's option, which left
-            # every weight a graph input here (torch 2.13): unpacked, and refused by the packed layers' op
-            forward, freezing = self.compiled, torch._inductor.config.patch(freezing=True)
-            # unbacked: a step of one token (or one sampled row) must not get a graph of its own, as a size of 1
-            # otherwise would; one graph then serves every step
-            for tensor, dim in ((tokens, 1), (positions, 1), (rows, 0)):
-                torch._dynamo.decorators.mark_unbacked(tensor, dim)
-        with serving(batch), freezing:
-            out = forward(input_ids=tokens, position_ids=positions, use_cache=False, logits_to_keep=rows)
-        return out.logits[0]
+        # eager, ``logits`` calls the model itself (so a wrapper put on its forward later, as the soak's faults, runs)
+        forward = logits if self.compiled is None else self.compiled.forward
+        with serving(batch):
+            return forward(self.model, tokens, positions, rows)[0]
 
 
 def _check_locked(model: PreTrainedModel, preparation: Preparation) -> PreparedModel | None:
@@ -277,6 +284,7 @@ class ModelRunner:
         n_pages: int,
         page_size: int,
         preparation: Preparation,
+        progress: Progress | None = None,
     ):
         config = model.config
         check_supported(config)
@@ -295,6 +303,7 @@ class ModelRunner:
         ]
         self.prepared = PreparedModel.acquire(model, preparation)
         self._released = False
+        self.prepared.compile(progress)
 
     @property
     def model(self) -> PreTrainedModel:
@@ -317,7 +326,7 @@ class ModelRunner:
         return self.prepared.packed_linears
 
     @property
-    def compiled(self) -> object | None:
+    def compiled(self) -> Compiled | None:
         return self.prepared.compiled
 
     def release(self) -> None:

@@ -22,10 +22,19 @@ The model's architecture is untouched: each ``nn.Linear`` module is swapped for 
 the same product, and ``unpack_linears`` puts the original modules, with their exact weights, back. The two oneDNN
 ops are torch-internal (``torch.ops.mkldnn``, the ones inductor uses; torch is pinned); where packing fails, the runner
 falls back to the model's own layers.
+
+Under ``torch.compile`` a packed product is one opaque op, ``astrai::packed_linear(x, handle, bias, out_features)``,
+as vLLM's CPU backend wraps its prepacked oneDNN weights in its own op. A packed weight is a oneDNN (``mkldnn``
+layout) tensor, which a graph can take neither as an input (the compiler cannot trace it) nor as a constant that a
+cache can store (it cannot be pickled). So the graph gets a *handle* instead: a small integer tensor, a module
+buffer and so an input of the graph like any weight, whose value indexes this process's table of packed weights.
+It is never an integer baked into the graph (an index valid in one process only), which is what lets a graph
+compiled in one process serve a model packed in another (``compiled_forward.py``).
 """
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections import Counter
 
@@ -37,6 +46,21 @@ BATCH_HINT = 8  # rows oneDNN tunes the packed layout for; any row count works
 MIN_FLOAT32_ELEMENTS = 1 << 18  # smaller float32 weights stay plain (see above)
 # child names of the projections that one module applies to one input (transformers' Llama-style naming)
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+_packed_weights: dict[int, torch.Tensor] = {}  # handle -> packed weight, while its FusedProduct lives
+_next_handle = itertools.count()
+
+
+@torch.library.custom_op("astrai::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``x @ W^T + bias`` with ``W`` the packed weight that ``handle`` names; ``out_features`` is its row count."""
+    return torch.ops.mkldnn._linear_pointwise(x, _packed_weights[int(handle)], bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 def packing_supported(dtype: torch.dtype) -> bool:
@@ -60,22 +84,27 @@ class FusedProduct(nn.Module):
     part that member already took), and dropped once every member took its part, so no step's activations outlive
     it. Inputs are compared by identity: the model's modules do not modify their input between sibling calls, and
     the engine runs the model on one thread. Under ``torch.compile`` the same logic is traced once: the graph
-    computes each group's product once and slices it, with the weights frozen in as constants. Each member's
-    original ``nn.Linear`` is kept (unregistered, so the model's parameters are not listed twice) for ``unpack``;
-    its weight's storage is released while fused unless another module shares it (a tied embedding, say).
+    computes each group's product once and slices it (a packed product as one ``astrai::packed_linear`` op). Each
+    member's original ``nn.Linear`` is kept (unregistered, so the model's parameters are not listed twice) for
+    ``unpack``; its weight's storage is released while fused unless another module shares it (a tied embedding).
     """
 
     def __init__(self, linears: list[nn.Linear], release: list[bool]):
         super().__init__()
         weight = torch.cat([linear.weight.detach() for linear in linears])
         self.packed = worth_packing(weight)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT) if self.packed else weight
         biases = [linear.bias for linear in linears]
         bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-        # buffers, not plain attributes: a compiled graph then freezes them into constants (oneDNN's packed op
-        # accepts nothing else there); not persistent, so the model's state_dict is unchanged
-        self.register_buffer("weight", packed, persistent=False)
+        # buffers, so that a compiled graph takes them as inputs; not persistent: the state_dict is unchanged
         self.register_buffer("bias", bias, persistent=False)
+        if self.packed:
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)  # not a buffer (above)
+            handle = next(_next_handle)
+            _packed_weights[handle] = self.packed_weight
+            weakref.finalize(self, _packed_weights.pop, handle, None)  # the table never outlives the layer
+            self.register_buffer("handle", torch.tensor(handle), persistent=False)
+        else:
+            self.register_buffer("weight", weight, persistent=False)
         self.widths = [linear.out_features for linear in linears]
         self.originals = list(zip(linears, release, strict=True))  # a plain list: not registered as submodules
         self._input: weakref.ref[torch.Tensor] | None = None
@@ -86,9 +115,12 @@ class FusedProduct(nn.Module):
                 linear.weight.data = linear.weight.data.new_empty(0)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if not self.packed:
+            return F.linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling():
+            return packed_linear(x, self.handle, self.bias, sum(self.widths))
+        # eager: oneDNN directly, without the custom op's dispatch
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
         if len(self.widths) == 1:
@@ -102,8 +134,11 @@ class FusedProduct(nn.Module):
             self._input, self._parts = None, ()
         return part
 
+    def extra_repr(self) -> str:
+        return f"widths={self.widths}, packed={self.packed}"
+
     def unpacked(self) -> list[nn.Linear]:
-        dense = self.weight.to_dense() if self.packed else self.weight
+        dense = self.packed_weight.to_dense() if self.packed else self.weight
         for (linear, released), rows in zip(self.originals, dense.split(self.widths), strict=True):
             if released:
                 linear.weight.data = rows.clone()

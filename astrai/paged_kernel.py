@@ -12,9 +12,9 @@ whole eager decode steps of the SmolLM2-135M-shaped model were 1.08-1.11x faster
 bfloat16 than with the kernel on one thread (2 threads, 3 rounds of 20 interleaved steps, docs/benchmarks.md).
 
 It is plain C, no PyTorch headers: ``gcc`` builds it in under a second, into ``~/.cache/astrai/kernels`` under a
-name that hashes the source, the flags and this CPU's model (``-march=native``), so a cache shared between
-machines never hands one CPU another's code. Where there is no compiler, or the build or load fails,
-``load_decode_kernel`` returns None and the engine attends through PyTorch as before: the kernel is only a speed-up.
+name that hashes the source, the flags and this CPU's model and flags (``-march=native``; ``disk_cache.py``).
+Where there is no compiler, or the build or load fails, ``load_decode_kernel`` returns None and the engine attends
+through PyTorch as before: the kernel is only a speed-up.
 """
 
 from __future__ import annotations
@@ -24,13 +24,14 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
+
+from astrai.disk_cache import cache_dir, cpu_identity
 
 log = logging.getLogger("astrai")
 
@@ -114,8 +115,8 @@ def load_decode_kernel() -> DecodeKernel | None:
 
 def _build() -> Path:
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_identity().encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "astrai" / "kernels"
+    key = hashlib.sha256(source + " ".join(FLAGS).encode() + cpu_identity().encode()).hexdigest()[:16]
+    cache = cache_dir("kernels")
     library = cache / f"paged_decode-{key}.so"
     if library.exists():
         return library
@@ -128,17 +129,3 @@ def _build() -> Path:
         subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"], check=True, capture_output=True)
         os.replace(built, library)
     return library
-
-
-def _cpu_identity() -> str:
-    """What ``-march=native`` depends on: the architecture and, on Linux, the CPU's model and feature flags."""
-    identity = platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags", "Features")):
-                identity += line
-                if line.startswith(("flags", "Features")):
-                    break
-    except OSError:
-        pass
-    return identity

@@ -347,12 +347,13 @@ def vllm_worker(folder: str, dtype: str, venv: Path, setup: str) -> Worker:
     return Worker(vllm_method(setup, dtype), [*command, "--dtype", dtype], vllm_env(setup, venv))
 
 
-def engine_worker(folder: str, dtype: str, compiled: bool) -> Worker:
-    """The engine at its defaults in a plain script of its own (``benchmarks/engine_worker.py``)."""
-    name = f"astrai{' compiled' if compiled else ''}{'' if dtype == 'float32' else ' ' + dtype} (defaults)"
+def engine_worker(folder: str, dtype: str, eager: bool) -> Worker:
+    """The engine at its defaults (``eager``: with ``compile=False``) in a plain script of its own
+    (``benchmarks/engine_worker.py``)."""
+    name = f"astrai{' eager' if eager else ''}{'' if dtype == 'float32' else ' ' + dtype} (defaults)"
     command = [sys.executable, "-m", "benchmarks.engine_worker", "--model", folder, "--dtype", dtype]
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    return Worker(name, command + ["--compile"] * compiled, dict(os.environ, PYTHONPATH=path))
+    return Worker(name, command + ["--eager"] * eager, dict(os.environ, PYTHONPATH=path))
 
 
 def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, folder: str) -> None:
@@ -451,11 +452,11 @@ def bench_model(
     rounds: int,
     bf16: bool,
     vllm_venv: Path | None,
-    compiled: bool,
+    eager: bool,
 ) -> str:
-    """Every method on every workload, round after round, after one warm-up run of the first workload each (a
-    compiled engine compiles there). vLLM runs in both ``VLLM_SETUPS``; "vs vLLM" is against the faster one.
-    ``compiled`` adds the engine with ``compile=True`` in each dtype."""
+    """Every method on every workload, round after round, after one warm-up run of the first workload each. vLLM
+    runs in both ``VLLM_SETUPS``; "vs vLLM" is against the faster one. ``eager`` adds the engine with
+    ``compile=False`` in each dtype (the engines compile, or load their compiled forward, as they are built)."""
     base, tokenizer = load()
     eos = tokenizer.eos_token_id
     vocab = base.config.vocab_size
@@ -468,10 +469,10 @@ def bench_model(
     }
     if bf16:
         variants["astrai bfloat16, prefix caching on"] = dict(prefix_caching=True, dtype="bfloat16")
-    if compiled:
+    if eager:
         for dtype in ["float32"] + ["bfloat16"] * bf16:
             label = "" if dtype == "float32" else f" {dtype}"
-            variants[f"astrai compiled{label}, prefix caching on"] = dict(dtype=dtype, compile=True)
+            variants[f"astrai eager{label}, prefix caching on"] = dict(dtype=dtype, compile=False)
     engines = {name: InferenceEngine(copy.deepcopy(base), tokenizer, **v, **options) for name, v in variants.items()}
     manager = copy.deepcopy(base).init_continuous_batching(
         generation_config=GenerationConfig(do_sample=False, eos_token_id=eos, pad_token_id=eos),
@@ -572,7 +573,7 @@ class Sample:
 
 
 def versus_vllm(
-    title: str, load: Callable, names: list[str], rounds: int, dtypes: list[str], venv: Path, compiled: bool, runs: int
+    title: str, load: Callable, names: list[str], rounds: int, dtypes: list[str], venv: Path, eager: bool, runs: int
 ) -> str:
     """The engine at its defaults, as a user's script drives it (``benchmarks/engine_worker.py``), against vLLM CPU
     in both ``VLLM_SETUPS``, on one checkpoint saved once.
@@ -601,7 +602,7 @@ def versus_vllm(
         del model  # the workers load their own copies
         for round_ in range(1, rounds + 1):
             for dtype in dtypes:
-                starts: list[bool | str] = [False, *[True] * compiled, *VLLM_SETUPS]  # compile=..., or a set-up
+                starts: list[bool | str] = [False, *[True] * eager, *VLLM_SETUPS]  # eager=..., or a set-up
                 shift = (round_ - 1) % len(starts)
                 workers: list[Worker] = []
                 try:
@@ -730,7 +731,7 @@ def main() -> None:
     parser.add_argument(
         "--runs", type=int, default=3, help="--versus-vllm: timed runs per process and workload, after a warm-up"
     )
-    parser.add_argument("--compile", action="store_true", help="also run the engine with compile=True")
+    parser.add_argument("--eager", action="store_true", help="also run the engine with compile=False")
     parser.add_argument("--vllm-venv", type=Path, help="default: $ASTRAI_VLLM_VENV, else scripts/serve_vllm.py's")
     args = parser.parse_args()
     if args.versus_vllm and not args.vllm:
@@ -750,9 +751,9 @@ def main() -> None:
             venv = args.vllm_venv or _launcher().parse_args([]).venv  # $ASTRAI_VLLM_VENV, else its default
         if args.versus_vllm:
             dtypes = ["float32"] + ["bfloat16"] * args.bf16
-            text = versus_vllm(title, load, names, args.rounds, dtypes, venv, args.compile, args.runs)
+            text = versus_vllm(title, load, names, args.rounds, dtypes, venv, args.eager, args.runs)
         else:
-            text = bench_model(title, load, names, args.rounds, args.bf16, venv, args.compile)
+            text = bench_model(title, load, names, args.rounds, args.bf16, venv, args.eager)
         print(text, "\n", flush=True)
 
 

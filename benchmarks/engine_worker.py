@@ -1,6 +1,6 @@
 """The engine's row of ``bench.py --versus-vllm``: the engine as a user's script drives it, in its own process.
 
-``InferenceEngine.from_pretrained(model, dtype=...)`` at its defaults (``--compile`` adds ``compile=True``), then,
+``InferenceEngine.from_pretrained(model, dtype=...)`` at its defaults (``--eager`` adds ``compile=False``), then,
 for each JSON line on stdin, from the main thread: ``clear()``, ``generate_ids(prompts, max_tokens=...,
 temperature=0.0)`` (the plain call, not a stream) and ``cache_stats()``. It answers one JSON line per job on stdout,
 in the same form as ``benchmarks/vllm_worker.py``, so the benchmark drives both alike:
@@ -29,7 +29,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", required=True, help="a local checkpoint folder (safetensors and tokenizer)")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--eager", action="store_true")
     args = parser.parse_args()
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "w")  # stdout carries the answers alone; logs go to stderr
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
@@ -40,7 +40,7 @@ def main() -> None:
     from astrai.observation import RequestFinished  # noqa: PLC0415
 
     started = time.perf_counter()
-    options = {"compile": True} if args.compile else {}  # otherwise nothing but the dtype: the defaults
+    options = {"compile": False} if args.eager else {}  # otherwise nothing but the dtype: the defaults
     engine = InferenceEngine.from_pretrained(args.model, dtype=args.dtype, **options)
     setup = {
         "load_s": round(time.perf_counter() - started, 1),

@@ -89,7 +89,7 @@ def test_a_cpu_speedup_asked_for_on_cuda_is_refused(two_gpus, option, model, tok
 
 
 def test_engines_sharing_a_model_must_agree_on_the_device(model, tokenizer, monkeypatch):
-    with InferenceEngine(model, tokenizer, page_size=4, n_pages=64, device="cpu") as engine:
+    with InferenceEngine(model, tokenizer, page_size=4, n_pages=64, device="cpu", compile=False) as engine:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # only the second engine's checks see CUDA
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -106,12 +106,12 @@ def test_a_model_that_cannot_move_is_left_as_it_came(tokenizer):
     before = {name: t.clone() for name, t in model.state_dict().items()}
     model.register_buffer("no_data", torch.empty(1, device="meta"), persistent=False)  # the last tensor to move
     with pytest.raises(NotImplementedError):
-        InferenceEngine(model, tokenizer, page_size=4, n_pages=16, dtype="bfloat16", device="cpu")
+        InferenceEngine(model, tokenizer, page_size=4, n_pages=16, dtype="bfloat16", device="cpu", compile=False)
     assert untouched(model)
     del model.no_data
     after = model.state_dict()
     assert all(after[k].dtype == torch.float32 and torch.equal(after[k], before[k]) for k in before)
-    with InferenceEngine(model, tokenizer, page_size=4, n_pages=16, device="cpu") as engine:
+    with InferenceEngine(model, tokenizer, page_size=4, n_pages=16, device="cpu", compile=False) as engine:
         assert engine.generate(PROMPTS[0], max_tokens=2)
 
 
@@ -136,7 +136,8 @@ def test_every_tensor_of_a_step_lives_where_the_kv_does():
 def test_a_seeded_request_draws_the_same_tokens_alone_and_in_a_batch(device, tokenizer):
     """Each request's noise comes from its own generator, made on the engine's device."""
     sampling = dict(max_tokens=12, temperature=1.0, top_k=50, top_p=0.9, seed=11)
-    with InferenceEngine(make_model("qwen3", len(tokenizer)), tokenizer, page_size=4, n_pages=64, device=device) as e:
+    qwen3 = make_model("qwen3", len(tokenizer))
+    with InferenceEngine(qwen3, tokenizer, page_size=4, n_pages=64, device=device, compile=False) as e:
         alone = e.generate(PROMPTS[0], **sampling)
         assert e.generate(PROMPTS[0], **sampling) == alone
         # the prompts of one call get seeds seed, seed + 1, ...: the first one keeps its seed in the batch

@@ -31,7 +31,7 @@ def custom(n_pages: int) -> Profile:
 
 @pytest.fixture
 def engines():
-    made = LocalEngines(idle_retire_s=3600)
+    made = LocalEngines(idle_retire_s=3600, compile=False)
     yield made
     made.shutdown()
 
@@ -57,7 +57,7 @@ def test_concurrent_first_uses_build_one_engine(engines):
 
 
 def test_an_idle_engine_is_retired_but_never_under_a_run():
-    engines = LocalEngines(idle_retire_s=0.0)
+    engines = LocalEngines(idle_retire_s=0.0, compile=False)
     try:
         with engines.run_on(SMALL) as backend:
             run = backend.submit(["Once upon a time"], SamplingParams(max_tokens=4), None)
@@ -71,7 +71,7 @@ def test_an_idle_engine_is_retired_but_never_under_a_run():
 
 
 def test_custom_engines_are_bounded_with_a_clear_message():
-    engines = LocalEngines(max_custom=1, idle_retire_s=3600)
+    engines = LocalEngines(max_custom=1, idle_retire_s=3600, compile=False)
     try:
         engines.ensure(custom(64))
         with pytest.raises(EngineLimitReached, match="engines for visitors' own settings are taken"):
@@ -84,7 +84,7 @@ def test_custom_engines_are_bounded_with_a_clear_message():
 
 def test_engines_and_kv_memory_are_bounded():
     per_mb_1024 = 48  # the embedded model: 3 KiB of KV per token, 1024 pages of 16 tokens
-    engines = LocalEngines(max_engines=2, kv_budget_mb=per_mb_1024 + 1, idle_retire_s=3600)
+    engines = LocalEngines(max_engines=2, kv_budget_mb=per_mb_1024 + 1, idle_retire_s=3600, compile=False)
     try:
         with pytest.raises(EngineLimitReached, match="MB of KV does not fit"):
             engines.ensure(custom(64))  # 3 MB: over the budget the default engine leaves
@@ -102,7 +102,7 @@ def test_hub_models_are_offered_only_when_the_operator_allows(monkeypatch):
     assert hub_models_allowed()
     assert list(model_choices(allow_hub=False)) == [EMBEDDED_LABEL]
     assert set(HUB_MODELS) <= set(model_choices(allow_hub=True))
-    engines = LocalEngines(idle_retire_s=3600)
+    engines = LocalEngines(idle_retire_s=3600, compile=False)
     try:
         hub = Profile(model=next(iter(HUB_MODELS)), name="hub")
         with pytest.raises(BackendError, match="not offered here"):
@@ -119,7 +119,7 @@ def test_a_failed_build_leaves_everything_serving(engines):
 
 
 def test_the_lessons_profiles_are_built_in_the_background_at_start():
-    engines = LocalEngines(preload=(SMALL, TINY), idle_retire_s=3600)
+    engines = LocalEngines(preload=(SMALL, TINY), idle_retire_s=3600, compile=False)
     try:
         assert DEFAULT_PROFILE in engines.built(), "the default engine is built before the constructor returns"
         assert wait_until(lambda: set(engines.built()) == {DEFAULT_PROFILE, SMALL, TINY}, timeout=60)

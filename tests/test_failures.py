@@ -15,7 +15,7 @@ from tools.bad_inputs import BAD_CALLS, BAD_CHECKPOINTS, MAX_SEQ_LEN, PROMPT, re
 
 @pytest.fixture
 def engine(model, tokenizer):
-    with InferenceEngine(model, tokenizer, page_size=4, n_pages=64, max_seq_len=MAX_SEQ_LEN) as eng:
+    with InferenceEngine(model, tokenizer, page_size=4, n_pages=64, max_seq_len=MAX_SEQ_LEN, compile=False) as eng:
         yield eng
 
 
@@ -116,12 +116,15 @@ def test_a_model_cannot_serve_two_engines_prepared_differently(engine):
     serves on (engines that agree share the model: tests/test_shared_weights.py)."""
     expected = engine.generate(PROMPT, max_tokens=6)
     with pytest.raises(ValueError, match="already serves another InferenceEngine.*dtype=bfloat16"):
-        InferenceEngine(engine.runner.model, engine.tokenizer, page_size=4, n_pages=8, dtype="bfloat16")
+        InferenceEngine(engine.runner.model, engine.tokenizer, page_size=4, n_pages=8, dtype="bfloat16", compile=False)
     assert engine.generate(PROMPT, max_tokens=6) == expected
 
 
 def test_a_prompt_larger_than_the_pool_is_rejected_at_submit(model, tokenizer):
-    with InferenceEngine(model, tokenizer, page_size=4, n_pages=4) as small, pytest.raises(ValueError, match="pool"):
+    with (
+        InferenceEngine(model, tokenizer, page_size=4, n_pages=4, compile=False) as small,
+        pytest.raises(ValueError, match="pool"),
+    ):
         small.generate(PROMPT, max_tokens=8)
 
 
@@ -148,7 +151,7 @@ def test_eight_threads_generate_at_once(engine):
 
 
 def test_shutdown_fails_running_requests_promptly_and_later_calls_raise(model, tokenizer):
-    engine = InferenceEngine(model, tokenizer, page_size=4, n_pages=256)
+    engine = InferenceEngine(model, tokenizer, page_size=4, n_pages=256, compile=False)
     stream = engine.generate([PROMPT, "The dog"], max_tokens=500, stream=True)
     next(stream)
     started = time.monotonic()

@@ -29,7 +29,7 @@ PROMPTS = [SHARED + "The dog", SHARED + "Lily and Tom", SHARED + "The sun"]
 @pytest.fixture
 def tight(model, tokenizer):
     """A pool too small for three long generations: they evict and preempt each other."""
-    with InferenceEngine(model, tokenizer, page_size=4, n_pages=24, max_seq_len=200) as engine:
+    with InferenceEngine(model, tokenizer, page_size=4, n_pages=24, max_seq_len=200, compile=False) as engine:
         yield engine
 
 
@@ -111,7 +111,7 @@ def test_readers_of_events_and_history_never_wait_for_the_engine_lock(tight):
 
 def test_request_info_stays_bounded_while_an_old_request_runs(model, tokenizer, monkeypatch):
     """The oldest remembered request still running must not stop finished ones from being forgotten."""
-    with InferenceEngine(model, tokenizer, page_size=4, n_pages=128, keep_finished=8) as engine:
+    with InferenceEngine(model, tokenizer, page_size=4, n_pages=128, keep_finished=8, compile=False) as engine:
         long = engine.generate("Once upon a time", max_tokens=400, stream=True)
         next(long)
         for _ in range(30):
@@ -122,7 +122,7 @@ def test_request_info_stays_bounded_while_an_old_request_runs(model, tokenizer, 
 
 
 def test_shutdown_with_a_forward_still_running_waits_for_it_before_freeing(model, tokenizer):
-    engine = InferenceEngine(model, tokenizer, page_size=4, n_pages=64)
+    engine = InferenceEngine(model, tokenizer, page_size=4, n_pages=64, compile=False)
     real_step = engine.runner.step
     in_forward, finish = threading.Event(), threading.Event()
     held_at_end: list[int] = []
@@ -153,7 +153,7 @@ def test_shutdown_with_a_forward_still_running_waits_for_it_before_freeing(model
 def test_the_model_is_handed_back_with_its_dtype_mode_and_exact_weights(tokenizer):
     model = make_model("llama", len(tokenizer)).train()
     before = {name: t.clone() for name, t in model.state_dict().items()}
-    with InferenceEngine(model, tokenizer, page_size=4, n_pages=32, dtype="bfloat16") as engine:
+    with InferenceEngine(model, tokenizer, page_size=4, n_pages=32, dtype="bfloat16", compile=False) as engine:
         assert engine.generate("Once upon a time", max_tokens=4)
         assert not model.training and next(model.parameters()).dtype == torch.bfloat16
     assert model.training

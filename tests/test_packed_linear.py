@@ -36,6 +36,22 @@ def test_bfloat16_packed_linear_matches():
     torch.testing.assert_close(packed(x), linear(x), rtol=2e-2, atol=2e-2)
 
 
+def test_a_compiled_packed_product_reads_the_weight_its_handle_names():
+    """Under torch.compile a packed product is the ``astrai::packed_linear`` op, its weight named by a handle that
+    is an input of the graph: one graph serves two layers of the same shape, each with its own weights (a handle
+    baked into the graph as a constant would give the first layer's product for both)."""
+    torch.manual_seed(0)
+    first, second = nn.Linear(64, 48), nn.Linear(64, 48)
+    x = torch.randn(1, 5, 64)
+    expected = [first(x), second(x)]
+    compiled = torch.compile(lambda layer, t: layer(t), fullgraph=True, dynamic=False)
+    torch._dynamo.utils.counters.clear()
+    for linear, want in zip((first, second), expected, strict=True):
+        packed = PackedLinear(FusedProduct([linear], release=[False]), 0)
+        torch.testing.assert_close(compiled(packed, x), want, rtol=1e-5, atol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
 class Attention(nn.Module):
     """The projections of a GQA attention block, named as transformers names them."""
 
@@ -97,7 +113,7 @@ def test_pack_and_unpack_give_the_model_back_exactly(tokenizer):
 def test_the_engine_hands_its_model_back_unpacked(tokenizer):
     model = make_model("qwen2", len(tokenizer))
     expected = reference_generate(model, tokenizer, "Once upon a time", 8)
-    with InferenceEngine(model, tokenizer, page_size=4, n_pages=64) as engine:
+    with InferenceEngine(model, tokenizer, page_size=4, n_pages=64, compile=False) as engine:
         assert engine.runner.packed_linears > 0
         engine.generate("Once upon a time", max_tokens=8)
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
@@ -118,7 +134,7 @@ def test_a_failure_while_packing_falls_back_to_plain_weights(tokenizer, monkeypa
             made.append(self)
 
     monkeypatch.setattr("astrai.packed_linear.FusedProduct", FailingOnThird)
-    with InferenceEngine(model, tokenizer, page_size=4, n_pages=64) as engine:
+    with InferenceEngine(model, tokenizer, page_size=4, n_pages=64, compile=False) as engine:
         assert len(made) == 2 and engine.runner.packed_linears == 0
         assert not any(isinstance(m, PackedLinear) for m in model.modules())
         text = engine.generate("Once upon a time", max_tokens=8)

@@ -96,7 +96,10 @@ def test_without_a_compiler_the_engine_attends_through_pytorch(fresh_kernel_cach
     monkeypatch.setenv("CC", "no-such-compiler")
     model = make_model("llama", len(tokenizer))
     expected = reference_generate(model, tokenizer, "Once upon a time", 8)
-    with caplog.at_level(logging.WARNING, logger="astrai"), InferenceEngine(model, tokenizer, n_pages=64) as engine:
+    with (
+        caplog.at_level(logging.WARNING, logger="astrai"),
+        InferenceEngine(model, tokenizer, n_pages=64, compile=False) as engine,
+    ):
         assert engine.runner.decode_kernel is None
         text = engine.generate("Once upon a time", max_tokens=8)
     assert text == tokenizer.decode(expected, skip_special_tokens=True)

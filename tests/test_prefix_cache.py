@@ -17,7 +17,7 @@ PAGE = 4
 
 @pytest.fixture
 def engine(model, tokenizer):
-    with InferenceEngine(model, tokenizer, page_size=PAGE, n_pages=128) as eng:
+    with InferenceEngine(model, tokenizer, page_size=PAGE, n_pages=128, compile=False) as eng:
         yield eng
 
 
@@ -145,7 +145,7 @@ def test_follow_up_turn_hits_the_answer_pages(engine, tokenizer):
 
 
 def test_prefix_caching_off_indexes_nothing(model, tokenizer):
-    with InferenceEngine(model, tokenizer, page_size=PAGE, n_pages=64, prefix_caching=False) as eng:
+    with InferenceEngine(model, tokenizer, page_size=PAGE, n_pages=64, prefix_caching=False, compile=False) as eng:
         for _ in range(2):
             eng.generate(["Once upon a time there was a little cat."] * 3, max_tokens=4)
         stats = eng.cache_stats()
@@ -158,7 +158,9 @@ def test_prefix_caching_off_counts_no_lookups(model, tokenizer):
     hit rate has nothing to show, rather than a 0% of lookups never made; ``prefix_caching`` says why."""
     shared = "Once upon a time there was a little cat. "
     prompts = [shared + tail for tail in ("The dog", "Lily and Tom", "The sun")]
-    with InferenceEngine(model, tokenizer, page_size=PAGE, n_pages=24, max_seq_len=200, prefix_caching=False) as eng:
+    with InferenceEngine(
+        model, tokenizer, page_size=PAGE, n_pages=24, max_seq_len=200, prefix_caching=False, compile=False
+    ) as eng:
         eng.generate(prompts, max_tokens=40)
         stats = eng.cache_stats()
         assert stats.preemptions > 0, "re-admissions must be there to be left uncounted"

@@ -11,7 +11,7 @@ PROMPTS = [SHARED + "The dog", SHARED + "Lily and Tom", SHARED + "The sun"]
 
 
 def test_pages_and_tokens_at_every_step_equal_the_engines_own_record(model, tokenizer):
-    with InferenceEngine(model, tokenizer, page_size=4, n_pages=24, max_seq_len=200) as engine:
+    with InferenceEngine(model, tokenizer, page_size=4, n_pages=24, max_seq_len=200, compile=False) as engine:
         engine.generate(PROMPTS[:1], max_tokens=6)  # a warm cache: the run starts from a non-empty pool
         truth: dict[int, CacheSnapshot] = {}
         real_record = engine._record_step
@@ -41,7 +41,7 @@ def test_pages_and_tokens_at_every_step_equal_the_engines_own_record(model, toke
 
 
 def test_narration_says_who_was_admitted_and_what_it_hit(model, tokenizer):
-    with InferenceEngine(model, tokenizer, page_size=4, n_pages=64) as engine:
+    with InferenceEngine(model, tokenizer, page_size=4, n_pages=64, compile=False) as engine:
         engine.generate(PROMPTS[0], max_tokens=2)
         base = engine.cache_snapshot()
         stream = engine.generate(PROMPTS, max_tokens=3, stream=True)

@@ -13,7 +13,7 @@ from astrai.playground.scenarios import FOLLOW_UP, SCENARIO_BY_NAME
 
 @pytest.fixture(scope="module")
 def engine():
-    with InferenceEngine.from_pretrained(EMBEDDED_MODEL, page_size=16, n_pages=256) as eng:
+    with InferenceEngine.from_pretrained(EMBEDDED_MODEL, page_size=16, n_pages=256, compile=False) as eng:
         yield eng
 
 
@@ -44,7 +44,7 @@ def test_eviction_pressure_evicts_and_preempts():
     scenario = SCENARIO_BY_NAME["Eviction pressure (small pool)"]
     s = scenario.profile.settings
     with InferenceEngine.from_pretrained(
-        EMBEDDED_MODEL, page_size=s.page_size, n_pages=s.n_pages, max_batch_size=s.max_batch_size
+        EMBEDDED_MODEL, page_size=s.page_size, n_pages=s.n_pages, max_batch_size=s.max_batch_size, compile=False
     ) as engine:
         for _ in range(2):
             engine.generate(scenario.prompts, max_tokens=scenario.max_tokens)

@@ -26,10 +26,11 @@ PROMPTS = [
     "The dog",
     "小猫在花园里玩。 😀 emoji",
 ]
-# two profiles of one model: different page sizes, pool sizes, batch sizes and prefix caching
+# two profiles of one model: different page sizes, pool sizes, batch sizes and prefix caching (eager: sharing is
+# what is tested here, and each compile of a fresh model costs seconds; test_compiled_forward.py compiles)
 PROFILES = (
-    dict(page_size=4, n_pages=256, max_batch_size=6, prefix_caching=True),
-    dict(page_size=8, n_pages=8, max_batch_size=4, prefix_caching=False),  # the longest request fits
+    dict(page_size=4, n_pages=256, max_batch_size=6, prefix_caching=True, compile=False),
+    dict(page_size=8, n_pages=8, max_batch_size=4, prefix_caching=False, compile=False),  # the longest request fits
 )
 
 
@@ -185,7 +186,7 @@ def test_one_shut_down_leaves_the_other_serving_and_the_last_restores_the_model(
     assert all(torch.equal(after[k], before[k]) for k in before)
     # nothing holds the model now: it may be prepared afresh, even differently
     other = "float32" if dtype == "bfloat16" else "bfloat16"
-    with InferenceEngine(model, tokenizer, dtype=other, device=device, page_size=4, n_pages=64) as again:
+    with InferenceEngine(model, tokenizer, dtype=other, device=device, page_size=4, n_pages=64, compile=False) as again:
         assert again.runner.prepared.users == 1 and again.generate(PROMPTS[0], max_tokens=2)
 
 
@@ -199,7 +200,7 @@ def test_a_model_serving_an_engine_refuses_one_prepared_differently(option, toke
     with InferenceEngine(model, tokenizer, **PROFILES[0]) as engine:
         name, value = next(iter(option.items()))
         with pytest.raises(ValueError, match=f"already serves another InferenceEngine.*{name}={value}"):
-            InferenceEngine(model, tokenizer, page_size=8, n_pages=16, **option)
+            InferenceEngine(model, tokenizer, page_size=8, n_pages=16, **({"compile": False} | option))
         assert engine.runner.prepared.users == 1
         assert next(model.parameters()).dtype == torch.float32  # the refused engine touched nothing
         assert output_ids(engine, PROMPTS) == refs

@@ -58,7 +58,7 @@ def test_visitors_count_by_engine(monkeypatch):
 
 @pytest.fixture(scope="module")
 def playground():
-    engines = LocalEngines(idle_retire_s=3600)
+    engines = LocalEngines(idle_retire_s=3600, compile=False)
     with gr.Blocks():
         ui = build_layout(engines.default, list(engines.model_choices()), engines.chooses_pools)
     ctx = Context(engines, Visitors(engines.default), ui, StreamingRuns())

@@ -55,7 +55,7 @@ BAD_CHECKPOINTS = {  # kind -> what the error must mention
 def catalogue_engine() -> InferenceEngine:
     tokenizer = make_tokenizer()
     return InferenceEngine(
-        make_model("llama", len(tokenizer)), tokenizer, page_size=4, n_pages=64, max_seq_len=MAX_SEQ_LEN
+        make_model("llama", len(tokenizer)), tokenizer, page_size=4, n_pages=64, max_seq_len=MAX_SEQ_LEN, compile=False
     )
 
 
@@ -78,11 +78,13 @@ def report() -> str:
         rows.append(
             (
                 "a model already serving another engine, in another dtype",
-                _outcome(lambda: InferenceEngine(model, tokenizer, page_size=4, n_pages=8, dtype="bfloat16")),
+                _outcome(
+                    lambda: InferenceEngine(model, tokenizer, page_size=4, n_pages=8, dtype="bfloat16", compile=False)
+                ),
                 bool(engine.generate(PROMPT, max_tokens=2)),
             )
         )
-    with InferenceEngine(model, tokenizer, page_size=4, n_pages=4) as tiny:
+    with InferenceEngine(model, tokenizer, page_size=4, n_pages=4, compile=False) as tiny:
         rows.append(
             (
                 "prompt larger than the whole pool (16 slots)",

@@ -85,6 +85,9 @@ ENDED_WORDS = ("cancelled", "failed")
 
 
 # ----- the app -------------------------------------------------------------------------------------------------
+START_TIMEOUT_S = 300
+
+
 @dataclass(frozen=True)
 class LaunchedApp:
     url: str
@@ -116,7 +119,8 @@ def start_app(
     log = open(log_path or os.devnull, "w")  # noqa: SIM115 - closed below, after the server
     command = [sys.executable, str(app), *(args or [])]
     proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=app.parent)
-    url, deadline = f"http://127.0.0.1:{port}/", time.monotonic() + 120
+    # a first start on this machine compiles the model (about a minute on 2 cores; astrai/compiled_forward.py)
+    url, deadline = f"http://127.0.0.1:{port}/", time.monotonic() + START_TIMEOUT_S
     try:
         while True:
             try:
@@ -126,7 +130,7 @@ def start_app(
                 if proc.poll() is not None:
                     raise RuntimeError(f"app.py exited with {proc.returncode}; see {log_path}") from None
                 if time.monotonic() > deadline:
-                    raise TimeoutError("app.py did not start within 120 s") from None
+                    raise TimeoutError(f"app.py did not start within {START_TIMEOUT_S} s") from None
                 time.sleep(0.3)
         yield LaunchedApp(url, proc.pid)
     finally:

@@ -141,7 +141,10 @@ def run_soak(
     prompts = [rng.choice(PREFIXES) + " ".join(rng.choices(WORDS, k=rng.randint(1, 14))) for _ in range(60)]
     reference = {p: reference_generate(model, tokenizer, p, MAX_NEW) for p in prompts}
     report = SoakReport(requests=n_requests)
-    engine = InferenceEngine(model, tokenizer, page_size=4, n_pages=n_pages, max_batch_size=8, max_batched_tokens=48)
+    # eager: the faults wrap the model's forward, which a compiled graph would not call
+    engine = InferenceEngine(
+        model, tokenizer, page_size=4, n_pages=n_pages, max_batch_size=8, max_batched_tokens=48, compile=False
+    )
     faults = FaultyForward(model, fault_rate, random.Random(seed + 1), hang_on_call)
     model.forward = faults
     lock = threading.Lock()

@@ -76,8 +76,12 @@ class LocalEngines:
         max_custom: int = MAX_CUSTOM_ENGINES,
         kv_budget_mb: float = KV_BUDGET_MB,
         idle_retire_s: float = IDLE_RETIRE_S,
+        compile: bool = True,
     ):
+        """``compile``: the engines serve the model compiled (the engine's default; a model's first engine on a
+        machine compiles it, later ones load it from disk) or eager."""
         self._default = default
+        self._compile = compile
         self._choices = model_choices(allow_hub)
         self._max_engines, self._max_custom = max_engines, max_custom
         self._kv_budget = int(kv_budget_mb * 2**20)
@@ -219,6 +223,8 @@ class LocalEngines:
                 max_batch_size=settings.max_batch_size,
                 prefix_caching=settings.prefix_caching,
                 dtype=settings.dtype,
+                compile=self._compile,
+                progress=None if progress is None else lambda text: progress(0.3, text),
             )
             slot.backend = LocalBackend(engine, profile.model)
             log.info("engine %s built in %.2f s", profile.key, time.monotonic() - started)

@@ -1,0 +1,172 @@
+"""The model's forward compiled by ``torch.compile``, once per machine and model: later starts load it from disk.
+
+What is compiled is ``logits``: the whole model over one step, its fused, packed projections as
+``astrai::packed_linear`` and its attention as ``astrai::paged_attention`` (opaque ops), in one graph whose token
+and row counts are unbacked symbols, so that every step, prefill or decode, of any size, runs that one graph.
+
+Why a cache of its own: inductor's freezing, which had folded the packed oneDNN weights into the graph as
+constants, cannot be cached by torch (the AOTAutograd cache refuses a frozen graph, the FX graph cache cannot pickle
+oneDNN tensors), so each start compiled afresh: 26 s on the embedded model, 93 s on a SmolLM2-135M-shaped one on 2
+cores. Without freezing, every weight is a graph input and a packed one reaches its op through a handle tensor
+(``packed_linear.py``), so nothing compiled depends on a weight's value or on the process that packed it. torch's
+precompile API (``torch.compile(...).aot_compile``, ``torch.compiler.load_compiled_function``) then saves the whole
+result, dynamo's bytecode and guards with AOTAutograd's and inductor's output: a warm start traces nothing (dynamo's
+tracing alone takes seconds on 2 cores). The artifact holds the source of inductor's C++ kernels, not the built
+libraries, so inductor's cache directory is pointed beside it during the compile and every load: the libraries are
+built once and found there again.
+
+Invariants:
+
+* An artifact is used only under its key (``cache_key``): the torch, transformers and Python versions, the CPU (its
+  model and flags), the model as prepared (its config, its module tree with which layers are fused and packed, and
+  every parameter and buffer's name, shape and dtype) and the source of what the graph calls (this module, the two
+  ops, the C decode kernel and its flags). Weight *values* are not in it: they are inputs, never constants, so one
+  artifact serves any model of the same shape (a test serves one model's weights through another's artifact).
+* Guards: those that travel between processes are kept (tensor metadata, global state, the shape environment;
+  ``torch.compiler.keep_portable_guards_unsafe``), those that cannot (object identities) are dropped, which the
+  key makes safe. A call that fails them raises; nothing is recompiled behind the engine's back.
+* Any failure (no C++ compiler, a model the compiler cannot take whole, a stale artifact that does not load) ends
+  in a logged warning and ``None``: the engine then serves eager, as with ``compile=False``. A corrupt or stale
+  artifact is compiled again and replaced (written whole, then renamed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+from transformers import PreTrainedModel
+
+from astrai import paged_kernel
+from astrai.disk_cache import cache_dir, cpu_identity
+
+log = logging.getLogger("astrai")
+
+SOURCES = [Path(__file__), Path(__file__).with_name("attention.py"), Path(__file__).with_name("packed_linear.py")]
+ARTIFACT = "forward.bin"
+
+CompiledForward = Callable[[PreTrainedModel, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Progress = Callable[[str], None]
+
+_lock = threading.Lock()  # one compile or load at a time: inductor's cache directory is a process-wide setting
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A compiled forward and how this process got it."""
+
+    forward: CompiledForward
+    loaded: bool  # from the cache; else compiled now (and saved, where the cache is writable)
+    seconds: float  # what the load or the compile took
+
+
+def logits(
+    model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, rows: torch.Tensor
+) -> torch.Tensor:
+    """The logits of ``rows`` of one step: what is compiled (a module-level function, so an artifact can name it)."""
+    return model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=rows).logits
+
+
+def load_or_compile(model: PreTrainedModel, progress: Progress | None = None) -> Compiled | None:
+    """``logits`` compiled for ``model`` as it is prepared now: loaded from the cache, else compiled and saved
+    there (``progress`` and the log say so, and how long it took); None, logged, where it cannot be compiled."""
+    if (missing := _missing_compiler()) is not None:
+        log.warning("torch.compile needs a C++ compiler and %s; serving the model eager", missing)
+        return None
+    folder = cache_dir("compiled") / cache_key(model)
+    with _lock, temporary_cache_dir(str(folder / "inductor")), torch.inference_mode():
+        return _load(folder) or _compile_and_save(model, folder, progress)
+
+
+def _load(folder: Path) -> Compiled | None:
+    artifact = folder / ARTIFACT
+    if not artifact.exists():
+        return None
+    started = time.perf_counter()
+    try:
+        with artifact.open("rb") as file:
+            loaded = torch.compiler.load_compiled_function(file)
+    except Exception:
+        log.warning("could not load the compiled forward in %s; compiling it again", folder, exc_info=True)
+        return None
+    seconds = time.perf_counter() - started
+    log.info("compiled forward loaded from %s in %.1f s", folder, seconds)
+    return Compiled(loaded, loaded=True, seconds=seconds)
+
+
+def _compile_and_save(model: PreTrainedModel, folder: Path, progress: Progress | None) -> Compiled | None:
+    name = type(model).__name__
+    _tell(progress, f"Compiling {name} for this CPU, once per machine and model (20-80 s on 2 cores), into {folder}…")
+    started = time.perf_counter()
+    try:
+        compiled = _compile(model)
+    except Exception:
+        log.warning("torch.compile failed; serving the model eager", exc_info=True)
+        return None
+    try:
+        compiled.save_compiled_function(str(folder / ARTIFACT))  # written aside, then renamed
+    except Exception:
+        log.warning("could not save the compiled forward in %s; next start compiles again", folder, exc_info=True)
+    seconds = time.perf_counter() - started
+    _tell(progress, f"Compiled {name} in {seconds:.0f} s.")
+    return Compiled(compiled, loaded=False, seconds=seconds)
+
+
+def cache_key(model: PreTrainedModel) -> str:
+    """What the compiled forward depends on, hashed (see the module's docstring)."""
+    digest = hashlib.sha256()
+    for part in _key_parts(model):
+        digest.update(part.encode() if isinstance(part, str) else part)
+        digest.update(b"\0")
+    return digest.hexdigest()[:24]
+
+
+def _key_parts(model: PreTrainedModel) -> Iterator[str | bytes]:
+    yield from (torch.__version__, transformers.__version__, sys.version, cpu_identity())
+    yield model.config.to_json_string()
+    yield repr(model)
+    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+        yield f"{name} {tuple(tensor.shape)} {tensor.dtype}"
+    for source in [*SOURCES, paged_kernel.SOURCE]:
+        yield source.read_bytes()
+    yield " ".join(paged_kernel.FLAGS)
+
+
+def _compile(model: PreTrainedModel) -> torch._dynamo.aot_compile.AOTCompiledFunction:
+    """Trace and compile ``logits`` on example inputs whose token and row counts are unbacked: the graph then
+    holds for any count (a count of 1 would otherwise be specialized, and another count recompile)."""
+    tokens = torch.zeros(1, 2, dtype=torch.long)
+    positions = torch.arange(2).unsqueeze(0)
+    rows = torch.tensor([1])
+    for tensor, dim in ((tokens, 1), (positions, 1), (rows, 0)):
+        torch._dynamo.decorators.mark_unbacked(tensor, dim)
+    options = {"guard_filter_fn": torch.compiler.keep_portable_guards_unsafe}
+    compiler = torch.compile(logits, fullgraph=True, dynamic=False, options=options)
+    return compiler.aot_compile(((model, tokens, positions, rows), {}))
+
+
+def _missing_compiler() -> str | None:
+    """None if inductor finds its C++ compiler, else what is missing."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        get_cpp_compiler()
+    except Exception:  # InvalidCxxCompiler, or a broken one
+        return f"none was found ({torch._inductor.config.cpp.cxx[-1]} or $CXX)"
+    return None
+
+
+def _tell(progress: Progress | None, text: str) -> None:
+    log.info("%s", text)
+    if progress is not None:
+        progress(text)

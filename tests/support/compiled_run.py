@@ -1,0 +1,40 @@
+"""``python -m tests.support.compiled_run SEED...``: one process's compiled engine on tiny Llamas, as JSON.
+
+For each seed (a tiny Llama of that seed's weights, every layer packed so that the packed-linear op is in the
+graph), an engine with ``compile=True`` generates greedily; printed per model: where its compiled forward came from
+("loaded" from the cache, "compiled" now, or "eager"), its output ids and transformers' own. The cache is the one
+``XDG_CACHE_HOME`` names. tests/test_compiled_forward.py runs it in fresh processes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from astrai import InferenceEngine, packed_linear
+from tests.support.tiny_models import make_model, make_tokenizer, reference_generate
+
+PROMPTS = ["Once upon a time there was a little cat.", "The dog", "Lily and Tom went to the park."]
+NEW_TOKENS = 12
+
+
+def main(seeds: list[int]) -> None:
+    packed_linear.MIN_FLOAT32_ELEMENTS = 0
+    tokenizer = make_tokenizer()
+    results = []
+    for seed in seeds:
+        model = make_model("llama", len(tokenizer), seed=seed)
+        reference = [reference_generate(model, tokenizer, p, NEW_TOKENS) for p in PROMPTS]
+        with InferenceEngine(model, tokenizer, page_size=4, n_pages=64, compile=True) as engine:
+            compiled = engine.runner.compiled
+            source = "eager" if compiled is None else "loaded" if compiled.loaded else "compiled"
+            stream = engine.generate(PROMPTS, max_tokens=NEW_TOKENS, stream=True)
+            for _ in stream:
+                pass
+            ids = [list(info.output_ids) for info in engine.request_info(stream.request_ids)]
+        results.append({"seed": seed, "source": source, "ids": ids, "reference": reference})
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main([int(seed) for seed in sys.argv[1:]])

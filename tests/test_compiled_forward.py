@@ -1,0 +1,146 @@
+"""The compiled forward: compiled once per machine and model, loaded from disk by later processes, keyed by what it
+depends on, and the engine serves eager where it cannot be compiled.
+
+Cold compiles are few here (one, in a fresh cache): the CI starts with an empty cache, and each takes tens of
+seconds on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from astrai import InferenceEngine, compiled_forward, packed_linear, paged_kernel
+from astrai.compiled_forward import ARTIFACT, cache_key
+from astrai.packed_linear import pack_linears
+from tests.support import compiled_run
+from tests.support.tiny_models import make_model, reference_generate
+from tools.loadtest import launch_app, run_args
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_fresh_process(cache: Path, *seeds: int) -> list[dict]:
+    """``tests/support/compiled_run.py`` in a process of its own, with ``cache`` as its XDG cache."""
+    env = dict(os.environ, XDG_CACHE_HOME=str(cache))
+    args = [sys.executable, "-m", "tests.support.compiled_run", *map(str, seeds)]
+    done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def compiled_once(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """A cache in which one fresh process compiled the tiny Llama (the module's one cold compile)."""
+    cache = tmp_path_factory.mktemp("xdg")
+    return cache, run_fresh_process(cache, 0)
+
+
+def test_a_fresh_process_compiles_into_an_empty_cache(compiled_once):
+    _, (first,) = compiled_once
+    assert first["source"] == "compiled"
+    assert first["ids"] == first["reference"]
+
+
+def test_a_second_process_loads_it_and_generates_the_same(compiled_once):
+    """The second process traces and compiles nothing: it loads the forward, and serves both the weights it was
+    compiled with and another model's of the same shape (weights are graph inputs, not constants)."""
+    cache, (first,) = compiled_once
+    again, other = run_fresh_process(cache, 0, 1)
+    assert again["source"] == other["source"] == "loaded"
+    assert again["ids"] == first["ids"] == again["reference"]
+    assert other["ids"] == other["reference"] != again["reference"]
+
+
+def test_an_artifact_that_does_not_load_is_compiled_again(compiled_once, tmp_path, monkeypatch, caplog, tokenizer):
+    cache, _ = compiled_once
+    shutil.copytree(cache, tmp_path, dirs_exist_ok=True)
+    (artifact,) = tmp_path.glob(f"astrai/compiled/*/{ARTIFACT}")
+    artifact.write_bytes(b"not an artifact")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(packed_linear, "MIN_FLOAT32_ELEMENTS", 0)
+    model = make_model("llama", len(tokenizer))
+    prompt = compiled_run.PROMPTS[0]
+    expected = reference_generate(model, tokenizer, prompt, 8)
+    shown: list[str] = []  # what an app would show while the engine starts
+    with (
+        caplog.at_level(logging.INFO, logger="astrai"),
+        InferenceEngine(model, tokenizer, n_pages=64, progress=shown.append) as engine,
+    ):
+        assert engine.runner.compiled is not None and not engine.runner.compiled.loaded
+        assert engine.generate(prompt, max_tokens=8) == tokenizer.decode(expected, skip_special_tokens=True)
+    assert "could not load the compiled forward" in caplog.text
+    assert [line.split()[0] for line in shown] == ["Compiling", "Compiled"], shown
+    with artifact.open("rb") as file:  # replaced by one that loads
+        torch.compiler.load_compiled_function(file)
+
+
+def test_without_a_cxx_compiler_the_engine_serves_eager(caplog, tokenizer):
+    model = make_model("llama", len(tokenizer))
+    expected = reference_generate(model, tokenizer, "Once upon a time", 8)
+    with (
+        torch._inductor.config.patch({"cpp.cxx": (None, "no-such-compiler")}),
+        caplog.at_level(logging.WARNING, logger="astrai"),
+        InferenceEngine(model, tokenizer, n_pages=64) as engine,
+    ):
+        assert engine.runner.compiled is None
+        text = engine.generate("Once upon a time", max_tokens=8)
+    assert text == tokenizer.decode(expected, skip_special_tokens=True)
+    assert "torch.compile needs a C++ compiler" in caplog.text
+
+
+def test_the_key_covers_what_the_compiled_graph_depends_on(monkeypatch, tokenizer, tmp_path):
+    def key(seed: int = 0, dtype: torch.dtype = torch.float32, **config: object) -> str:
+        model = make_model("llama", len(tokenizer), seed=seed).to(dtype)
+        for name, value in config.items():
+            setattr(model.config, name, value)
+        pack_linears(model)
+        return cache_key(model)
+
+    def edited(source: Path) -> Path:
+        copy = tmp_path / source.name
+        copy.write_bytes(source.read_bytes() + b"\n")
+        return copy
+
+    base = key()
+    assert key(seed=1) == base  # weight values are inputs of the graph, not part of it
+    assert key(dtype=torch.bfloat16) != base
+    assert key(rms_norm_eps=1e-3) != base
+    changes = {
+        "the module tree (every layer packed)": lambda patch: patch.setattr(packed_linear, "MIN_FLOAT32_ELEMENTS", 0),
+        "the torch version": lambda patch: patch.setattr(torch, "__version__", "0.0"),
+        "the CPU": lambda patch: patch.setattr(compiled_forward, "cpu_identity", lambda: "another CPU"),
+        "the C kernel's flags": lambda patch: patch.setattr(paged_kernel, "FLAGS", [*paged_kernel.FLAGS, "-O2"]),
+        "the C kernel's source": lambda patch: patch.setattr(paged_kernel, "SOURCE", edited(paged_kernel.SOURCE)),
+    }
+    for i, source in enumerate(compiled_forward.SOURCES):
+        sources = [*compiled_forward.SOURCES[:i], edited(source), *compiled_forward.SOURCES[i + 1 :]]
+        changes[f"{source.name}'s source"] = lambda patch, sources=sources: patch.setattr(
+            compiled_forward, "SOURCES", sources
+        )
+    for what, change in changes.items():
+        with monkeypatch.context() as patch:
+            change(patch)
+            assert key() != base, what
+
+
+def test_without_compilers_the_app_starts_and_serves_eager(tmp_path):
+    """``python app.py`` where neither inductor's C++ compiler nor the C kernel's can be found (and none was built
+    before: an empty cache): it starts, says why it serves eager, and serves."""
+    from gradio_client import Client
+
+    log = tmp_path / "app.log"
+    env = {"CXX": "no-such-compiler", "CC": "no-such-compiler", "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    with launch_app(env, log_path=log) as url:
+        texts = Client(url, verbose=False).predict(**run_args(["Once upon a time"], 8), api_name="/run")
+    assert texts[0].strip()
+    said = log.read_text()
+    assert "torch.compile needs a C++ compiler" in said and "decode attention kernel unavailable" in said, said
