@@ -67,7 +67,7 @@ class Compiled:
 
     forward: CompiledForward
     loaded: bool  # from the cache; else compiled now (and saved, where the cache is writable)
-    seconds: float  # what the load or the compile took
+    seconds: float | None  # what the load or the compile took; None: compiled lazily, by the first steps (CUDA)
 
 
 def logits(
@@ -120,6 +120,23 @@ def _compile_and_save(model: PreTrainedModel, folder: Path, progress: Progress |
     seconds = time.perf_counter() - started
     _tell(progress, f"Compiled {name} in {seconds:.0f} s.")
     return Compiled(compiled, loaded=False, seconds=seconds)
+
+
+def compile_on_gpu(model: PreTrainedModel) -> Compiled:
+    """A model on CUDA: ``torch.compile`` of its forward in this process, compiled lazily by the first steps and not
+    cached. The cache above is the CPU's: its key names the CPU, its example inputs live on the host, and torch's
+    precompile API it saves with is missing from the torch of the GPU measured (2.11). This is the path measured on
+    an H200 (docs/benchmarks.md: 1.31-1.60x transformers in float32, medians), inductor freezing included (the
+    weights become constants). Token and row counts are unbacked at each call, so one graph serves every step."""
+    compiled = torch.compile(model.forward, dynamic=True)
+
+    def forward(_model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor):
+        for tensor, dim in ((tokens, 1), (positions, 1), (rows, 0)):
+            torch._dynamo.decorators.mark_unbacked(tensor, dim)
+        with torch._inductor.config.patch(freezing=True):
+            return compiled(input_ids=tokens, position_ids=positions, use_cache=False, logits_to_keep=rows).logits
+
+    return Compiled(forward, loaded=False, seconds=None)
 
 
 def cache_key(model: PreTrainedModel) -> str:

@@ -20,7 +20,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from astrai.attention import ATTN_IMPLEMENTATION, PagedBatch, build_paged_batch, serving
-from astrai.compiled_forward import Compiled, Progress, load_or_compile, logits
+from astrai.compiled_forward import Compiled, Progress, compile_on_gpu, load_or_compile, logits
 from astrai.device import resolve_cpu_speedup, to_device, uses_openmp
 from astrai.model_thread import SharedForwards
 from astrai.packed_linear import pack_linears, packing_supported, unpack_linears
@@ -212,7 +212,8 @@ class PreparedModel:
         with self._compile_lock:
             if self.preparation.compile and not self._compile_tried:
                 self._compile_tried = True
-                self.compiled = load_or_compile(self.model, progress)
+                on_cpu = self.preparation.device.type == "cpu"
+                self.compiled = load_or_compile(self.model, progress) if on_cpu else compile_on_gpu(self.model)
 
     def _pack(self) -> int:
         """Packing is only a speed-up: where oneDNN refuses a weight, the model keeps its own layers."""
