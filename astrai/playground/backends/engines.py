@@ -76,10 +76,10 @@ class LocalEngines:
         max_custom: int = MAX_CUSTOM_ENGINES,
         kv_budget_mb: float = KV_BUDGET_MB,
         idle_retire_s: float = IDLE_RETIRE_S,
-        compile: bool = True,
+        compile: bool | None = None,
     ):
-        """``compile``: the engines serve the model compiled (the engine's default; a model's first engine on a
-        machine compiles it, later ones load it from disk) or eager."""
+        """``compile``: the engines serve the model compiled or eager; None, the engine's default (compiled on the
+        CPU: a model's first engine on a machine compiles it, later ones load it from disk)."""
         self._default = default
         self._compile = compile
         self._choices = model_choices(allow_hub)
