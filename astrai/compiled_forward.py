@@ -18,10 +18,11 @@ built once and found there again.
 Invariants:
 
 * An artifact is used only under its key (``cache_key``): the torch, transformers and Python versions, the CPU (its
-  model and flags), the model as prepared (its config, its module tree with which layers are fused and packed, and
-  every parameter and buffer's name, shape and dtype) and the source of what the graph calls (this module, the two
-  ops, the C decode kernel and its flags). Weight *values* are not in it: they are inputs, never constants, so one
-  artifact serves any model of the same shape (a test serves one model's weights through another's artifact).
+  model and flags) and torch's thread count (which its guards check), the model as prepared (its config, its module
+  tree with which layers are fused and packed, and every parameter and buffer's name, shape and dtype) and the
+  source of what the graph calls (this module, the two ops, the C decode kernel and its flags). Weight *values* are
+  not in it: they are inputs, never constants, so one artifact serves any model of the same shape (a test serves
+  one model's weights through another's artifact).
 * Guards: those that travel between processes are kept (tensor metadata, global state, the shape environment;
   ``torch.compiler.keep_portable_guards_unsafe``), those that cannot (object identities) are dropped, which the
   key makes safe. A call that fails them raises; nothing is recompiled behind the engine's back.
@@ -149,7 +150,9 @@ def cache_key(model: PreTrainedModel) -> str:
 
 
 def _key_parts(model: PreTrainedModel) -> Iterator[str | bytes]:
-    yield from (torch.__version__, transformers.__version__, sys.version, cpu_identity())
+    # the thread count is global state the artifact's guards check: loaded into a process of another count, every
+    # call failed ("GLOBAL_STATE changed: num_threads"), so each count gets an artifact of its own
+    yield from (torch.__version__, transformers.__version__, sys.version, cpu_identity(), f"{torch.get_num_threads()}")
     yield model.config.to_json_string()
     yield repr(model)
     for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):

@@ -118,6 +118,7 @@ def test_the_key_covers_what_the_compiled_graph_depends_on(monkeypatch, tokenize
         "the module tree (every layer packed)": lambda patch: patch.setattr(packed_linear, "MIN_FLOAT32_ELEMENTS", 0),
         "the torch version": lambda patch: patch.setattr(torch, "__version__", "0.0"),
         "the CPU": lambda patch: patch.setattr(compiled_forward, "cpu_identity", lambda: "another CPU"),
+        "the thread count": lambda patch: patch.setattr(torch, "get_num_threads", lambda: 97),
         "the C kernel's flags": lambda patch: patch.setattr(paged_kernel, "FLAGS", [*paged_kernel.FLAGS, "-O2"]),
         "the C kernel's source": lambda patch: patch.setattr(paged_kernel, "SOURCE", edited(paged_kernel.SOURCE)),
     }
