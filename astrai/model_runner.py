@@ -247,9 +247,19 @@ class PreparedModel:
         self, batch: PagedBatch, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor
     ) -> torch.Tensor:
         # eager, ``logits`` calls the model itself (so a wrapper put on its forward later, as the soak's faults, runs)
-        forward = logits if self.compiled is None else self.compiled.forward
+        compiled = self.compiled
         with serving(batch):
-            return forward(self.model, tokens, positions, rows)[0]
+            if compiled is not None:
+                try:
+                    return compiled.forward(self.model, tokens, positions, rows)[0]
+                except RuntimeError as exc:
+                    if "GuardManager check failed" not in str(exc):
+                        raise
+                    # the process changed what the graph was compiled for (torch.set_num_threads, say): serve
+                    # eager from here on rather than fail every step; forwards run one at a time, so no race
+                    log.warning("the compiled forward no longer fits this process (%s); serving eager", exc)
+                    self.compiled = None
+            return logits(self.model, tokens, positions, rows)[0]
 
 
 def _check_locked(model: PreTrainedModel, preparation: Preparation) -> PreparedModel | None:

@@ -145,3 +145,19 @@ def test_without_compilers_the_app_starts_and_serves_eager(tmp_path):
     assert texts[0].strip()
     said = log.read_text()
     assert "torch.compile needs a C++ compiler" in said and "decode attention kernel unavailable" in said, said
+
+
+def test_a_process_that_changes_global_state_under_the_graph_is_served_eager_not_failed(tokenizer, caplog):
+    """The compiled graph's guards check torch's global state; a script that changes it after the engine compiled
+    (here deterministic algorithms, process-wide) gets the same text, served eager from then on, with a warning,
+    instead of every step failing."""
+    model = make_model("llama", len(tokenizer))
+    with InferenceEngine(model, tokenizer, n_pages=64) as engine:
+        expected = engine.generate("Once upon a time", max_tokens=6)
+        torch.use_deterministic_algorithms(True)
+        try:
+            with caplog.at_level("WARNING", logger="astrai"):
+                assert engine.generate("Once upon a time", max_tokens=6) == expected
+        finally:
+            torch.use_deterministic_algorithms(False)
+        assert engine.runner.compiled is None and "serving eager" in caplog.text
