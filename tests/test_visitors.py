@@ -16,6 +16,7 @@ from astrai.playground.callbacks.live import LiveCallbacks
 from astrai.playground.callbacks.pacing import StreamingRuns
 from astrai.playground.callbacks.replay import ReplayCallbacks
 from astrai.playground.callbacks.run import RunCallbacks
+from astrai.playground.scenarios import Lesson
 from astrai.playground.state import KEEP_RECORDINGS, Visitors
 from astrai.playground.ui.layout import build_layout
 from astrai.playground.views.replay import Recording
@@ -59,9 +60,10 @@ def test_visitors_count_by_engine(monkeypatch):
 @pytest.fixture(scope="module")
 def playground():
     engines = LocalEngines(idle_retire_s=3600, compile=False)
+    lesson = Lesson.for_deployment(routers=0)
     with gr.Blocks():
-        ui = build_layout(engines.default, list(engines.model_choices()), engines.chooses_pools)
-    ctx = Context(engines, Visitors(engines.default), ui, StreamingRuns())
+        ui = build_layout(engines.default, list(engines.model_choices()), engines.chooses_pools, lesson)
+    ctx = Context(engines, Visitors(engines.default), ui, StreamingRuns(), lesson)
     runs = RunCallbacks(ctx)
     yield ctx, runs, LiveCallbacks(ctx, runs), ReplayCallbacks(ctx)
     engines.shutdown()
