@@ -19,17 +19,21 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoTokenizer
 
 from astrai.observation import CacheSnapshot, CacheStats, PageRecord
 from astrai.playground.backends.protocol import Served, replica_of
 from astrai.playground.backends.vllm import fleet
+from astrai.playground.backends.vllm.encoding import BlockStored, KVEventBatch
 from astrai.playground.backends.vllm.router import RouterSpec, parse_router_metrics
+from astrai.playground.backends.vllm.subscriber import KvEventSubscriber
 from astrai.playground.views import fleet as fleet_views
 from tests.support.waiting import wait_until
 
@@ -125,6 +129,29 @@ def test_the_routing_note_says_what_each_policy_computed():
 # --- a real fleet ----------------------------------------------------------------------------------------------
 
 
+def test_a_finished_runs_badges_wait_for_the_events_that_name_its_replicas():
+    """The KV events trail the stream: read at once, a badge said "not seen yet" for good (once in CI). A failed
+    request is not waited for: its replica's events may never come."""
+    from types import SimpleNamespace
+
+    from astrai.observation import RequestInfo
+    from astrai.playground.callbacks import context
+
+    named, calls = Served("replica 2 (127.0.0.1:8052)", "its KV events"), []
+
+    def served_by(ids: list[int]) -> dict[int, Served]:
+        calls.append(1)
+        return {1: named} if len(calls) >= 3 else {}  # the events arrive on the third look
+
+    infos = [RequestInfo(r, "finished", 40, 0, 4, 0, (), (), 0.1, 10.0, None) for r in (1, 2)]
+    infos[1] = dataclasses.replace(infos[1], status="failed", error="not answering now: replica 2")
+    backend = SimpleNamespace(replicas=("r1", "r2"), served_by=served_by, request_info=lambda ids: infos)
+    started = time.monotonic()
+    assert context.served_once_named(backend, [1, 2]) == {1: named}
+    assert len(calls) == 3 and time.monotonic() - started < context.SERVED_WAIT_S / 2
+    assert context.served_once_named(SimpleNamespace(replicas=()), [1]) == {}  # one server: nothing to name
+
+
 @pytest.fixture(scope="module")
 def fleet_info() -> dict:
     path = os.environ.get("ASTRAI_FLEET")
@@ -188,18 +215,10 @@ STORY = "Once upon a time, in a little house by a big forest, there lived a girl
 
 
 def run_args(prompts: list[str], max_tokens: int = 8) -> dict:
-    padded = prompts + [""] * (6 - len(prompts))
-    return dict(
-        n_panels=len(prompts),
-        shared_prefix="",
-        **{f"prompt_{i + 1}": p for i, p in enumerate(padded)},
-        max_tokens=max_tokens,
-        temperature=0,
-        top_p=1,
-        top_k=0,
-        seed=0,
-        isolate_cache=False,
-    )
+    """The /run endpoint's arguments for these panels, greedy, with no shared prefix."""
+    from tools.loadtest import run_args as load_args
+
+    return load_args(prompts, max_tokens, prefix="")
 
 
 def named_replica(badge: str) -> str | None:
@@ -230,7 +249,6 @@ def test_each_replicas_page_map_matches_that_replicas_events(fleet_info):
     subscriber that replays them from the start), and each page's panel against the replica that served it."""
     from astrai.playground.backends.vllm.backend import ReplicaSpec, VllmBackend
     from astrai.playground.backends.vllm.pages import page_key
-    from astrai.playground.backends.vllm.subscriber import KvEventSubscriber
     from astrai.sampling import SamplingParams
 
     args = fleet_info["args"]
@@ -240,7 +258,9 @@ def test_each_replicas_page_map_matches_that_replicas_events(fleet_info):
     specs = [ReplicaSpec(*spec) for spec in zip(fleet_info["replicas"], events, replays, strict=True)]
     backend = VllmBackend.fleet(specs, [RouterSpec.parse(routers[0])])
     try:
-        prompts = [f"{STORY}Page map {k}: the bird" for k in range(4)]
+        # new each time: a block left on the other replica by an earlier run holds the same tokens, and would be
+        # attributed (by its tokens) to this run's request
+        prompts = [f"{time.time()} {STORY}Page map {k}: the bird" for k in range(4)]  # in the first block
         run = backend.submit(prompts, SamplingParams(max_tokens=40), salt=None)
         list(run)
         assert wait_until(lambda: len(backend.served_by(run.request_ids)) == 4, timeout=10)
@@ -300,14 +320,46 @@ def test_a_replica_killed_mid_run_fails_its_panels_and_the_fleet_recovers_withou
     kv = [args[i + 1] for i, a in enumerate(args) if a in ("--kv-events", "--kv-replay")][2:4]
     venv = Path(os.environ.get("ASTRAI_VLLM_VENV", ROOT / ".venv-vllm"))
     pid = int((venv / "run" / f"server-{port}.pid").read_text())
-    prompts = [f"{STORY}Killed {k}: the fox" for k in range(4)]
-    job = fclient.submit(**run_args(prompts, max_tokens=256), api_name="/run")
-    time.sleep(1.5)  # the four panels are streaming, two on each replica
+    stamp = f"{time.time():.6f}"
+    prompts = [f"{STORY}Killed {k}: the fox {stamp}" for k in range(4)]
+
+    # Frozen mid-stream, then killed. The embedded model's stories end (EOS) within a second or two: a kill timed by
+    # the clock once found every panel finished (CI); a replica frozen before its first token had its requests
+    # retried on replica 1 by the router, so nothing failed; and its /metrics, polled for running requests, answered
+    # only after they had ended (a busy replica's API server took up to 1.3 s to answer). Its KV events come within
+    # milliseconds: these prompts have 33-63 tokens, the stamp past the 32nd, so a stored block holding the stamp is
+    # a prompt's second block, which also holds generated tokens, all but the last already streamed. (Any block with
+    # a parent once froze the replica on a block of an earlier test's request, before this run's first token.)
+    tokenizer = AutoTokenizer.from_pretrained(ROOT / "assets" / "models" / "tinystories-llama")
+    armed, streaming = threading.Event(), threading.Event()
+
+    def this_runs_second_block(event: object) -> bool:
+        return isinstance(event, BlockStored) and stamp in tokenizer.decode(event.token_ids)
+
+    def on_batch(seq: int, batch: KVEventBatch, status: object) -> None:
+        if armed.is_set() and any(this_runs_second_block(e) for e in batch.events):
+            streaming.set()
+
+    reader = KvEventSubscriber(kv[0], on_batch=on_batch)  # no replay: filling a gap from it lagged 0.5 s once
+    reader.start()
+    try:
+        assert wait_until(lambda: reader.status()["state"] == "listening", timeout=20), reader.status()
+        time.sleep(0.5)  # its subscription reaches the publisher
+        armed.set()
+        # at temperature 2 nearly every story runs to max_tokens (23 of 24 sampled did) instead of ending in ~100
+        submitted = time.monotonic()
+        job = fclient.submit(**{**run_args(prompts, max_tokens=256), "temperature": 2.0}, api_name="/run")
+        assert streaming.wait(timeout=60), "replica 2 streamed none of the run's panels"
+        os.killpg(pid, signal.SIGSTOP)  # at once: stopping the reader first took up to 0.2 s, and a story ended
+        frozen_after = time.monotonic() - submitted
+    finally:
+        reader.stop()
+    time.sleep(1.0)
     os.killpg(pid, signal.SIGKILL)
     job.result(timeout=120)
     badges = fclient.predict(api_name="/after_run")[:4]
     failed = [b for b in badges if "failed" in b]
-    assert failed, f"the killed replica's panels fail: {badges}"
+    assert failed, f"the killed replica's panels fail (frozen {frozen_after:.2f} s after the run began): {badges}"
     assert all("not answering now: replica 2" in b for b in failed), failed
     assert wait_until(lambda: "replica 2: ⚠️ unreachable" in stats_line(fclient), timeout=15)
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import gradio as gr
 
 from astrai.observation import RequestInfo
-from astrai.playground.backends.protocol import Backend, Engines
+from astrai.playground.backends.protocol import Backend, Engines, Served
 from astrai.playground.callbacks.pacing import StreamingRuns
 from astrai.playground.scenarios import Lesson
 from astrai.playground.state import ShownRun, Visitors
@@ -17,6 +18,7 @@ from astrai.playground.ui.components import Components
 # event (each streamed text message among them), the loading status of every component any event has shown progress
 # on, cloning its props. Left on all outputs, up to 56 components a message (tests/test_app.py keeps it at 3).
 QUIET = {"show_progress": "hidden", "show_progress_on": []}
+SERVED_WAIT_S = 3.0  # how long a finished run waits for the replicas' KV events to name its requests' replica
 
 
 @dataclass(frozen=True)
@@ -42,3 +44,21 @@ def run_infos(backend: Backend | None, shown: ShownRun) -> list[RequestInfo | No
         return [None] * len(shown.request_ids)
     by_id = {info.id: info for info in backend.request_info(list(shown.request_ids))}
     return [by_id.get(rid) for rid in shown.request_ids]
+
+
+def served_once_named(backend: Backend, request_ids: list[int]) -> dict[int, Served]:
+    """Which replica served each finished request, waiting up to ``SERVED_WAIT_S`` for the events that name it.
+
+    A replica's KV events trail its stream: the last blocks' event can reach the app after the stream ended, so
+    read at once a badge said "not seen yet" forever. Requests that failed are not waited for (a dead replica's
+    events never come); nor is anything on a single server (``served_by`` is empty there).
+    """
+    if not backend.replicas:
+        return {}
+    failed = {info.id for info in backend.request_info(request_ids) if info.error}
+    deadline = time.monotonic() + SERVED_WAIT_S
+    served = backend.served_by(request_ids)
+    while any(r not in served and r not in failed for r in request_ids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        served = backend.served_by(request_ids)
+    return served

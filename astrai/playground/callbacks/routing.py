@@ -16,7 +16,7 @@ from typing import Any
 import gradio as gr
 
 from astrai.playground.backends.protocol import Backend, BackendError
-from astrai.playground.callbacks.context import Context, session_of
+from astrai.playground.callbacks.context import Context, served_once_named, session_of
 from astrai.playground.callbacks.run import parse_batch
 from astrai.playground.scenarios import ROUTING_WAVES
 from astrai.playground.ui.components import by_name
@@ -24,7 +24,6 @@ from astrai.playground.views import fleet
 from astrai.sampling import SamplingParams
 
 MAX_TOKENS = 16  # the comparison is about prefill: short answers keep a pass to seconds
-SERVED_WAIT_S = 3.0  # how long to wait for the replicas' events to name a pass's requests
 # A wave's requests start this far apart, in tenant order, and overlap: sent all at once they reach the router in a
 # random order, and round robin's tenant -> replica pattern (what the lesson shows) changed from pass to pass.
 STAGGER_S = 0.05
@@ -74,11 +73,7 @@ class RoutingCallbacks:
             finally:
                 for run in runs:
                     run.close()
-        deadline = time.monotonic() + SERVED_WAIT_S
-        served = backend.served_by(ids)
-        while len(served) < len(ids) and time.monotonic() < deadline:  # the last blocks' events trail the stream
-            time.sleep(0.1)
-            served = backend.served_by(ids)
+        served = served_once_named(backend, ids)
         infos = {info.id: info for info in backend.request_info(ids)}
         names = {rid: s.replica.split(" (")[0] for rid, s in served.items()}
         return fleet.PolicyResult(

@@ -17,7 +17,7 @@ from typing import Any
 import gradio as gr
 
 from astrai.playground.backends.protocol import BackendError
-from astrai.playground.callbacks.context import QUIET, Context, run_infos, session_of
+from astrai.playground.callbacks.context import QUIET, Context, run_infos, served_once_named, session_of
 from astrai.playground.callbacks.pacing import Pacer
 from astrai.playground.scenarios import FOLLOW_UP
 from astrai.playground.state import ShownRun, Visitor
@@ -142,8 +142,9 @@ class RunCallbacks:
         panels = self.ui.panels
         return {**dict.fromkeys(panels.badges, ""), **dict.fromkeys(panels.highlights), self.ui.cache.table: []}
 
-    def details(self, visitor: Visitor, highlights: bool = True) -> dict:
-        """The badges (and, unless told not to, the token colouring and request table) of the latest run."""
+    def details(self, visitor: Visitor, highlights: bool = True, final: bool = False) -> dict:
+        """The badges (and, unless told not to, the token colouring and request table) of the latest run; ``final``
+        once it ended: a fleet's badges then wait (briefly) for the events naming each panel's replica."""
         shown, panels = visitor.shown, self.ui.panels
         if shown is None:
             return self.no_details()
@@ -153,7 +154,8 @@ class RunCallbacks:
             badge: text.badge(infos[i] if i < len(infos) else None) for i, badge in enumerate(panels.badges)
         }
         if backend is not None and backend.replicas:  # a fleet: each badge names the replica that served it
-            served = backend.served_by(list(shown.request_ids))
+            ids = list(shown.request_ids)
+            served = served_once_named(backend, ids) if final else backend.served_by(ids)
             for badge, rid, info in zip(panels.badges, shown.request_ids, infos, strict=False):
                 if info is not None:
                     update[badge] += " · " + fleet.served_text(served.get(rid))
@@ -175,7 +177,7 @@ class RunCallbacks:
         visitor = ctx.visitors.act(session_of(request))
         recording = follow(ctx, visitor)
         steps = len(recording.samples) if recording else 0
-        update = self.details(visitor) | self.savings(visitor)
+        update = self.details(visitor, final=True) | self.savings(visitor)
         update[controls.step] = gr.Slider(maximum=max(steps, 1), **({"value": steps} if visitor.following else {}))
         return update | {controls.note: replay.narrate(recording, steps) if recording else ""}
 
