@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -127,6 +128,31 @@ def test_the_routing_note_says_what_each_policy_computed():
 
 
 # --- a real fleet ----------------------------------------------------------------------------------------------
+
+
+def test_a_block_is_attributed_by_its_whole_prefix_not_its_own_tokens_alone():
+    """Two requests whose first blocks differ and whose second blocks hold the same tokens: on a fleet each second
+    block lived on another replica, and both were attributed to the lower request id (seen in the page-map test)."""
+    from types import SimpleNamespace
+
+    from astrai.playground.backends.vllm.encoding import KVEventBatch
+    from astrai.playground.backends.vllm.pages import BlockPages
+    from astrai.playground.backends.vllm.tracker import BlockTracker
+
+    first_a, first_b, second = (1, 2), (3, 4), (5, 6)
+    requests = [
+        SimpleNamespace(id=7, status="finished", prompt_ids=first_a + second, output_ids=[]),
+        SimpleNamespace(id=8, status="finished", prompt_ids=first_b + second, output_ids=[]),
+    ]
+    for held_first, owner in ((first_a, 7), (first_b, 8)):  # the replica that holds one request's blocks only
+        tracker = BlockTracker()
+        stores = [
+            BlockStored([b"first"], None, list(held_first), 2),
+            BlockStored([b"second"], b"first", list(second), 2),
+        ]
+        tracker.apply(0, KVEventBatch(0.0, stores))
+        pages, _ = BlockPages().update(tracker.snapshot(), requests, 0.0)
+        assert {p.chain_pos: p.stored_by for p in pages if p.state != "free"} == {0: owner, 1: owner}
 
 
 def test_a_finished_runs_badges_wait_for_the_events_that_name_its_replicas():
@@ -258,9 +284,9 @@ def test_each_replicas_page_map_matches_that_replicas_events(fleet_info):
     specs = [ReplicaSpec(*spec) for spec in zip(fleet_info["replicas"], events, replays, strict=True)]
     backend = VllmBackend.fleet(specs, [RouterSpec.parse(routers[0])])
     try:
-        # new each time: a block left on the other replica by an earlier run holds the same tokens, and would be
-        # attributed (by its tokens) to this run's request
-        prompts = [f"{time.time()} {STORY}Page map {k}: the bird" for k in range(4)]  # in the first block
+        # each first block its own and new each run: a block on the other replica holding the same tokens (another
+        # panel's, or an earlier run's) is attributed, by its tokens, to this run's request
+        prompts = [f"Page map {k} at {time.time()}. {STORY}The bird" for k in range(4)]  # in block 1
         run = backend.submit(prompts, SamplingParams(max_tokens=40), salt=None)
         list(run)
         assert wait_until(lambda: len(backend.served_by(run.request_ids)) == 4, timeout=10)
@@ -319,47 +345,64 @@ def test_a_replica_killed_mid_run_fails_its_panels_and_the_fleet_recovers_withou
     args = fleet_info["args"]
     kv = [args[i + 1] for i, a in enumerate(args) if a in ("--kv-events", "--kv-replay")][2:4]
     venv = Path(os.environ.get("ASTRAI_VLLM_VENV", ROOT / ".venv-vllm"))
+    restart = [sys.executable, str(ROOT / "scripts" / "serve_vllm.py"), "--wait", "--dev-mode", "--timeout", "600"]
+    restart += ["--port", str(port), "--kv-events", kv[0].replace("127.0.0.1", "*")]
+    restart += ["--kv-replay", kv[1].replace("127.0.0.1", "*")]
     pid = int((venv / "run" / f"server-{port}.pid").read_text())
-    stamp = f"{time.time():.6f}"
-    prompts = [f"{STORY}Killed {k}: the fox {stamp}" for k in range(4)]
-
-    # Frozen mid-stream, then killed. The embedded model's stories end (EOS) within a second or two: a kill timed by
-    # the clock once found every panel finished (CI); a replica frozen before its first token had its requests
-    # retried on replica 1 by the router, so nothing failed; and its /metrics, polled for running requests, answered
-    # only after they had ended (a busy replica's API server took up to 1.3 s to answer). Its KV events come within
-    # milliseconds: these prompts have 33-63 tokens, the stamp past the 32nd, so a stored block holding the stamp is
-    # a prompt's second block, which also holds generated tokens, all but the last already streamed. (Any block with
-    # a parent once froze the replica on a block of an earlier test's request, before this run's first token.)
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "assets" / "models" / "tinystories-llama")
-    armed, streaming = threading.Event(), threading.Event()
 
-    def this_runs_second_block(event: object) -> bool:
-        return isinstance(event, BlockStored) and stamp in tokenizer.decode(event.token_ids)
+    def freeze_mid_stream() -> Any | None:
+        """Run 6 panels and freeze replica 2 once this run streams from it; the job, if a panel of replica 2's is
+        still unfinished (the run cannot end while it is frozen), else None (thawed again: every story it served had
+        already ended, as an early EOS can)."""
+        # The embedded model's stories end within a second or two: a kill timed by the clock once found every panel
+        # finished (CI); a replica frozen before its first token had its requests retried on replica 1 by the router;
+        # its /metrics answered only after its requests had ended (a busy API server took up to 1.3 s). Its KV events
+        # come within milliseconds: these prompts have 33-63 tokens, the stamp past the 32nd, so a stored block
+        # holding the stamp is a prompt's second block, which also holds generated tokens, all but the last streamed.
+        stamp = f"{time.time():.6f}"
+        prompts = [f"{STORY}Killed {k}: the fox {stamp}" for k in range(6)]  # 3 on each replica
+        armed, streaming = threading.Event(), threading.Event()
 
-    def on_batch(seq: int, batch: KVEventBatch, status: object) -> None:
-        if armed.is_set() and any(this_runs_second_block(e) for e in batch.events):
-            streaming.set()
+        def on_batch(seq: int, batch: KVEventBatch, status: object) -> None:
+            if armed.is_set() and any(
+                isinstance(e, BlockStored) and stamp in tokenizer.decode(e.token_ids) for e in batch.events
+            ):
+                streaming.set()
 
-    reader = KvEventSubscriber(kv[0], on_batch=on_batch)  # no replay: filling a gap from it lagged 0.5 s once
-    reader.start()
-    try:
-        assert wait_until(lambda: reader.status()["state"] == "listening", timeout=20), reader.status()
-        time.sleep(0.5)  # its subscription reaches the publisher
-        armed.set()
-        # at temperature 2 nearly every story runs to max_tokens (23 of 24 sampled did) instead of ending in ~100
-        submitted = time.monotonic()
-        job = fclient.submit(**{**run_args(prompts, max_tokens=256), "temperature": 2.0}, api_name="/run")
-        assert streaming.wait(timeout=60), "replica 2 streamed none of the run's panels"
-        os.killpg(pid, signal.SIGSTOP)  # at once: stopping the reader first took up to 0.2 s, and a story ended
-        frozen_after = time.monotonic() - submitted
-    finally:
-        reader.stop()
-    time.sleep(1.0)
-    os.killpg(pid, signal.SIGKILL)
-    job.result(timeout=120)
-    badges = fclient.predict(api_name="/after_run")[:4]
-    failed = [b for b in badges if "failed" in b]
-    assert failed, f"the killed replica's panels fail (frozen {frozen_after:.2f} s after the run began): {badges}"
+        reader = KvEventSubscriber(kv[0], on_batch=on_batch)  # no replay: filling a gap from it lagged 0.5 s once
+        reader.start()
+        try:
+            assert wait_until(lambda: reader.status()["state"] == "listening", timeout=20), reader.status()
+            time.sleep(0.5)  # its subscription reaches the publisher
+            armed.set()
+            # at temperature 2 most stories run to max_tokens (23 of 24 sampled did) instead of ending in ~100
+            job = fclient.submit(**{**run_args(prompts, max_tokens=256), "temperature": 2.0}, api_name="/run")
+            assert streaming.wait(timeout=60), "replica 2 streamed none of the run's panels"
+            os.killpg(pid, signal.SIGSTOP)  # at once: stopping the reader first took up to 0.2 s, and a story ended
+        finally:
+            reader.stop()
+        if not wait_until(job.done, timeout=8):  # replica 1's panels end in 1-3 s; one of replica 2's is stuck
+            return job
+        os.killpg(pid, signal.SIGCONT)
+        return None
+
+    for _ in range(3):
+        job = next((j for j in (freeze_mid_stream() for _ in range(3)) if j is not None), None)
+        assert job is not None, "in 3 runs, every panel of replica 2's ended before it was frozen"
+        os.killpg(pid, signal.SIGKILL)
+        job.result(timeout=120)
+        badges = fclient.predict(api_name="/after_run")[:6]
+        failed = [b for b in badges if "failed" in b]
+        if failed:
+            break
+        # Nothing failed: the router retried on replica 1 what had not streamed yet (seen once: a TTFT of 9 s), and
+        # the rest had ended. Nothing to check: start it again and repeat.
+        subprocess.run(restart, check=True, timeout=660, capture_output=True)
+        pid = int((venv / "run" / f"server-{port}.pid").read_text())
+        assert wait_until(lambda: "unreachable" not in stats_line(fclient), timeout=30), stats_line(fclient)
+        time.sleep(2 * 2 + 1)  # the router's health check marks it up
+    assert failed, f"the killed replica's panels fail: {badges}"
     assert all("not answering now: replica 2" in b for b in failed), failed
     assert wait_until(lambda: "replica 2: ⚠️ unreachable" in stats_line(fclient), timeout=15)
 
@@ -368,9 +411,6 @@ def test_a_replica_killed_mid_run_fails_its_panels_and_the_fleet_recovers_withou
     badges = fclient.predict(api_name="/after_run")[:4]
     assert all("failed" not in b and named_replica(b) == "replica 1" for b in badges), badges
 
-    restart = [sys.executable, str(ROOT / "scripts" / "serve_vllm.py"), "--wait", "--dev-mode", "--timeout", "600"]
-    restart += ["--port", str(port), "--kv-events", kv[0].replace("127.0.0.1", "*")]
-    restart += ["--kv-replay", kv[1].replace("127.0.0.1", "*")]
     subprocess.run(restart, check=True, timeout=660, capture_output=True)
     assert wait_until(lambda: "unreachable" not in stats_line(fclient), timeout=30), stats_line(fclient)
 

@@ -90,20 +90,25 @@ class BlockPages:
             else:
                 slot, self._n_slots = self._n_slots, self._n_slots + 1
             self._slots[block_hash] = slot
-        # who holds which tokens: (position, tokens) -> this app's requests, newest last
-        index: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+        # who holds which tokens: (position, the tokens up to the block's end, hashed) -> this app's requests, newest
+        # last. The whole prefix, not the block's own tokens alone: two requests whose first blocks differ can share
+        # a second block's tokens, and that block on one replica is not the other request's (seen on a fleet).
+        index: dict[tuple[int, int], list[int]] = {}
         anywhere: dict[tuple[int, ...], list[int]] = {}
         live = set()
         if bs:
             for request in recent:
                 sequence = (*request.prompt_ids, *request.output_ids)
+                prefix = 0
                 for k in range(len(sequence) // bs):
                     chunk = tuple(sequence[k * bs : (k + 1) * bs])
-                    index.setdefault((k, chunk), []).append(request.id)
+                    prefix = hash((prefix, chunk))
+                    index.setdefault((k, prefix), []).append(request.id)
                     anywhere.setdefault(chunk, []).append(request.id)
                 if request.status == "running":
                     live.add(request.id)
         depth: dict[BlockHash, int] = {}  # -1: unknown (an ancestor is not held)
+        prefixes: dict[BlockHash, int] = {}  # of the blocks whose chain is all held: their tokens, and all before
 
         def chain_pos(block_hash: BlockHash) -> int:
             path: list[BlockHash] = []
@@ -117,15 +122,18 @@ class BlockPages:
                 base = depth[cur]
             else:
                 base = None
+            prefix = prefixes.get(cur, 0) if cur is not None else 0
             for i, node in enumerate(reversed(path)):
                 depth[node] = -1 if base is None else base + 1 + i
+                if base is not None:
+                    prefix = prefixes[node] = hash((prefix, blocks[node].token_ids))
             return depth[block_hash]
 
         pages: dict[int, PageRecord] = {}
         for block_hash, slot in self._slots.items():
             block = blocks[block_hash]
             pos = chain_pos(block_hash)
-            owners = index.get((pos, block.token_ids), []) if pos >= 0 else anywhere.get(block.token_ids, [])
+            owners = index.get((pos, prefixes[block_hash]), []) if pos >= 0 else anywhere.get(block.token_ids, [])
             holding = tuple(r for r in owners if r in live)
             pages[slot] = PageRecord(
                 page=slot,
