@@ -156,8 +156,8 @@ def test_a_block_is_attributed_by_its_whole_prefix_not_its_own_tokens_alone():
 
 
 def test_a_finished_runs_badges_wait_for_the_events_that_name_its_replicas():
-    """The KV events trail the stream: read at once, a badge said "not seen yet" for good (once in CI). A failed
-    request is not waited for: its replica's events may never come."""
+    """The KV events trail the stream: read at once, a badge said "not seen yet" for good. Neither a failed request
+    (its replica's events may never come) nor one that filled no block (it stored nothing) is waited for."""
     from types import SimpleNamespace
 
     from astrai.observation import RequestInfo
@@ -169,11 +169,17 @@ def test_a_finished_runs_badges_wait_for_the_events_that_name_its_replicas():
         calls.append(1)
         return {1: named} if len(calls) >= 3 else {}  # the events arrive on the third look
 
-    infos = [RequestInfo(r, "finished", 40, 0, 4, 0, (), (), 0.1, 10.0, None) for r in (1, 2)]
+    infos = [RequestInfo(r, "finished", 40, 0, 4, 0, (), (), 0.1, 10.0, None) for r in (1, 2, 3)]
     infos[1] = dataclasses.replace(infos[1], status="failed", error="not answering now: replica 2")
-    backend = SimpleNamespace(replicas=("r1", "r2"), served_by=served_by, request_info=lambda ids: infos)
+    infos[2] = dataclasses.replace(infos[2], prompt_tokens=28)  # 28 + 4 tokens: its KV fills no 32-token block
+    backend = SimpleNamespace(
+        replicas=("r1", "r2"),
+        served_by=served_by,
+        request_info=lambda ids: infos,
+        stats=lambda: SimpleNamespace(page_size=32),
+    )
     started = time.monotonic()
-    assert context.served_once_named(backend, [1, 2]) == {1: named}
+    assert context.served_once_named(backend, [1, 2, 3]) == {1: named}
     assert len(calls) == 3 and time.monotonic() - started < context.SERVED_WAIT_S / 2
     assert context.served_once_named(SimpleNamespace(replicas=()), [1]) == {}  # one server: nothing to name
 

@@ -50,15 +50,18 @@ def served_once_named(backend: Backend, request_ids: list[int]) -> dict[int, Ser
     """Which replica served each finished request, waiting up to ``SERVED_WAIT_S`` for the events that name it.
 
     A replica's KV events trail its stream: the last blocks' event can reach the app after the stream ended, so
-    read at once a badge said "not seen yet" forever. Requests that failed are not waited for (a dead replica's
-    events never come); nor is anything on a single server (``served_by`` is empty there).
+    read at once a badge said "not seen yet" forever. Not waited for: a request that failed (a dead replica's
+    events never come), one that filled no block (its KV, every token but the last, is under a page: it stored
+    nothing to name it by), and anything on a single server (``served_by`` is empty there).
     """
     if not backend.replicas:
         return {}
-    failed = {info.id for info in backend.request_info(request_ids) if info.error}
+    size = backend.stats().page_size or 0
+    infos = backend.request_info(request_ids)
+    unnamed = {i.id for i in infos if i.error or i.prompt_tokens + i.generated_tokens <= size}
     deadline = time.monotonic() + SERVED_WAIT_S
     served = backend.served_by(request_ids)
-    while any(r not in served and r not in failed for r in request_ids) and time.monotonic() < deadline:
+    while any(r not in served and r not in unnamed for r in request_ids) and time.monotonic() < deadline:
         time.sleep(0.1)
         served = backend.served_by(request_ids)
     return served
