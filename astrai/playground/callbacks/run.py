@@ -27,6 +27,9 @@ from astrai.playground.views import charts, fleet, replay, text
 from astrai.sampling import SamplingParams
 
 RUN_CONCURRENCY = int(os.environ.get("ASTRAI_RUN_CONCURRENCY", 32))  # runs streaming at once (more wait in the queue)
+# Every visitor's end-of-run update (Run's and Stop's), in one group wider than the default 2: on a fleet it can wait
+# up to SERVED_WAIT_S for the replicas' events (``served_once_named``), and two such waits must not hold back a class.
+AFTER_RUN = {"concurrency_limit": 8, "concurrency_id": "after_run"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,10 +249,10 @@ class RunCallbacks:
             )
             # API clients call /after_run themselves once /run returns (the browser chains it): see tests/test_app.py
             visibility = {"api_name": "after_run"} if api_name == "run" else {"api_visibility": "private"}
-            stream.then(self.after_run, None, after_outputs, **visibility, **QUIET)
+            stream.then(self.after_run, None, after_outputs, **visibility, **AFTER_RUN, **QUIET)
             streams.append(stream)
         buttons.stop.click(fn=None, cancels=streams, api_name="stop").then(
-            self.after_run, None, after_outputs, api_visibility="private", **QUIET
+            self.after_run, None, after_outputs, api_visibility="private", **AFTER_RUN, **QUIET
         )
         buttons.clear.click(self.clear_cache, api_name="clear_cache", concurrency_limit=4)
         turns = {"n_panels": ui.form.n_panels}
