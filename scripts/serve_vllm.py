@@ -35,6 +35,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -165,8 +166,8 @@ def server_env(args: argparse.Namespace) -> dict[str, str]:
     if args.dev_mode:
         # Registers vLLM's development routes, among them POST /reset_prefix_cache. Loopback use only.
         env["VLLM_SERVER_DEV_MODE"] = "1"
-    if getattr(args, "cpu_bind", None):
-        env["VLLM_CPU_OMP_THREADS_BIND"] = args.cpu_bind  # the cores its model runs on (a fleet spreads them)
+    if args.cores:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(args.cores)))  # its model's threads, there too
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("DO_NOT_TRACK", "1")
     return env
@@ -207,7 +208,9 @@ def serve_foreground(args: argparse.Namespace) -> int:
     _check_ready_to_serve(args)
     cmd = server_command(args)
     _log(f"starting: {' '.join(cmd)}")
-    proc = subprocess.Popen(cmd, env=server_env(args), cwd=REPO, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=server_env(args), cwd=REPO, start_new_session=True, preexec_fn=confined(args.cores)
+    )
     stopping: list[int] = []
 
     def forward(signum: int, _frame: object) -> None:
@@ -234,10 +237,24 @@ def start_detached(args: argparse.Namespace) -> subprocess.Popen:
     _log(f"log: {args.log}")
     with open(args.log, "wb") as log:
         proc = subprocess.Popen(
-            cmd, env=server_env(args), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd,
+            env=server_env(args),
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=confined(args.cores),
         )
     args.pid_file.write_text(f"{proc.pid}\n")
     return proc
+
+
+def confined(cores: set[int] | None) -> Callable[[], None] | None:
+    """What confines a server to ``cores`` (None: anywhere), run in the child before it starts: its engine core
+    and model processes inherit the affinity."""
+    if not cores:
+        return None
+    return lambda: os.sched_setaffinity(0, cores)
 
 
 def wait_ready(args: argparse.Namespace, proc: subprocess.Popen, start: float, what: str = "vLLM") -> None:
@@ -330,6 +347,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "differs from astrai's float32 (default float32)",
     )
     parser.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE, in whole GiB")
+    parser.add_argument(
+        "--cores",
+        type=lambda text: {int(c) for c in text.split(",")},
+        help="confine the server, its model's threads and all its processes, to these cores (comma-separated)",
+    )
     parser.add_argument(
         "--num-gpu-blocks-override",
         type=int,

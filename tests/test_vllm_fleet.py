@@ -12,6 +12,7 @@ Two groups:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -342,6 +343,34 @@ def stats_line(client) -> str:
     return client.predict(api_name="/refresh")[5]
 
 
+def process_tree(pid: int) -> list[int]:
+    """A process and its descendants, from /proc."""
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        with contextlib.suppress(OSError):
+            todo += [int(c) for c in Path(f"/proc/{current}/task/{current}/children").read_text().split()]
+    return tree
+
+
+@pytest.mark.fleet
+def test_each_replica_runs_all_its_processes_on_a_core_of_its_own(fleet_info):
+    """Bound by its model's threads alone, one replica's API server and engine core ran beside the other replica's
+    busy model, and both replicas' streams stalled for 0.3-0.7 s whenever both were generating."""
+    venv = Path(os.environ.get("ASTRAI_VLLM_VENV", ROOT / ".venv-vllm"))
+    cores = []
+    for url in fleet_info["replicas"]:
+        pid = int((venv / "run" / f"server-{url.rsplit(':', 1)[1]}.pid").read_text())
+        tree = process_tree(pid)
+        assert len(tree) >= 3, f"{url}: API server, engine core and model worker expected, found {tree}"
+        affinities = {frozenset(os.sched_getaffinity(p)) for p in tree}
+        assert len(affinities) == 1, f"{url}: its processes run on different cores: {affinities}"
+        cores.append(affinities.pop())
+    if len(os.sched_getaffinity(0)) >= len(cores):
+        assert all(len(c) == 1 for c in cores) and len(set(cores)) == len(cores), cores
+
+
 @pytest.mark.fleet
 def test_a_replica_killed_mid_run_fails_its_panels_and_the_fleet_recovers_without_an_app_restart(fleet_info, fclient):
     """Its panels end with a message naming it, its page map says unreachable, the router routes around it, and
@@ -355,6 +384,7 @@ def test_a_replica_killed_mid_run_fails_its_panels_and_the_fleet_recovers_withou
     restart += ["--port", str(port), "--kv-events", kv[0].replace("127.0.0.1", "*")]
     restart += ["--kv-replay", kv[1].replace("127.0.0.1", "*")]
     pid = int((venv / "run" / f"server-{port}.pid").read_text())
+    restart += ["--cores", ",".join(map(str, sorted(os.sched_getaffinity(pid))))]  # where the launcher put it
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "assets" / "models" / "tinystories-llama")
 
     def freeze_mid_stream() -> Any | None:
