@@ -38,7 +38,7 @@ log = logging.getLogger("astrai")
 SOURCE = Path(__file__).with_name("kernels") / "paged_decode.c"
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 DTYPES = {torch.float32: "paged_decode_float32", torch.bfloat16: "paged_decode_bfloat16"}
-MAX_GROUPS, MAX_HEAD_DIM = 16, 256  # the C code's fixed buffers
+MAX_GROUPS, MAX_HEAD_DIM = 16, 256  # the C code's fixed buffers (and it takes D in whole 16-float vectors)
 
 
 class DecodeKernel:
@@ -46,44 +46,62 @@ class DecodeKernel:
 
     def __init__(self, library: ctypes.CDLL):
         self.functions = {}
+        rows = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]  # a pointer, its row and head strides
         for dtype, name in DTYPES.items():
             function = getattr(library, name)
             function.restype = ctypes.c_int
-            function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+            function.argtypes = [
+                *rows * 3,  # query, new keys, new values
+                *[ctypes.c_void_p] * 3,  # k_cache, v_cache, pages
+                ctypes.c_int64,  # the page table's width
+                *[ctypes.c_void_p] * 2,  # lengths, out
+                *[ctypes.c_int64] * 6,  # batch, kv_heads, groups, head_dim, cache_slots, page_size
+                ctypes.c_float,
+                ctypes.c_int,
+            ]
             self.functions[dtype] = function
 
     def supports(self, dtype: torch.dtype, groups: int, head_dim: int) -> bool:
-        return dtype in self.functions and groups <= MAX_GROUPS and head_dim <= MAX_HEAD_DIM
+        return dtype in self.functions and groups <= MAX_GROUPS and head_dim <= MAX_HEAD_DIM and head_dim % 16 == 0
 
     def attend(
         self,
         query: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        slots: torch.Tensor,
+        pages: torch.Tensor,
         lengths: torch.Tensor,
+        page_size: int,
         scale: float,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """query [B, H, D]; caches [KVH, S, D]; slots [B, Lmax] int64, of which the first ``lengths[b]`` are read.
-        Returns [B, H, D].
+        """query [B, H, D]; caches [KVH, S, D]; pages [B, P] int64, each request's page table, of which the pages
+        holding its first ``lengths[b]`` positions are read. ``new_kv``: this step's keys and values [B, KVH, D],
+        written into the slot of position ``lengths[b] - 1`` before any request attends. Returns [B, H, D].
 
-        The C code indexes raw memory: every tensor must be contiguous, query and caches of one dtype, and every
-        slot read below S. The last holds by construction (slots come from the engine's page tables), so it is
-        not checked per call; the others are.
+        Query and new rows may be strided views (the model's own layout: read in place where each row's D values
+        lie side by side); the caches, pages and lengths contiguous; all of one float dtype but pages and lengths
+        (int64). The C code indexes raw memory: these are checked per call. That every page read lies below S holds
+        by construction (page tables come from the engine's pool), so it is not.
         """
         batch, heads, head_dim = query.shape
         kv_heads, cache_slots, _ = k_cache.shape
-        if not all(t.is_contiguous() for t in (query, k_cache, v_cache, slots, lengths)):
-            raise ValueError("the decode kernel needs contiguous tensors")
-        if not query.dtype == k_cache.dtype == v_cache.dtype or not slots.dtype == lengths.dtype == torch.long:
-            raise ValueError("the decode kernel needs query and caches of one dtype, and int64 slots and lengths")
-        out = torch.empty_like(query)
+        query, new_k, new_v = (_rows_in_place(t) for t in (query, *(new_kv or (None, None))))
+        if not all(t.is_contiguous() for t in (k_cache, v_cache, pages, lengths)):
+            raise ValueError("the decode kernel needs contiguous caches, pages and lengths")
+        views = [t for t in (query, new_k, new_v, v_cache) if t is not None]
+        if any(t.dtype != k_cache.dtype for t in views) or not pages.dtype == lengths.dtype == torch.long:
+            raise ValueError("the decode kernel needs query, rows and caches of one dtype, and int64 pages and lengths")
+        out = query.new_empty(query.shape)
         with torch.profiler.record_function("astrai::paged_decode"):  # named in profiles; ctypes calls are not ops
             status = self.functions[query.dtype](
-                query.data_ptr(),
+                *_rows(query),
+                *_rows(new_k),
+                *_rows(new_v),
                 k_cache.data_ptr(),
                 v_cache.data_ptr(),
-                slots.data_ptr(),
+                pages.data_ptr(),
+                pages.shape[1],
                 lengths.data_ptr(),
                 out.data_ptr(),
                 batch,
@@ -91,7 +109,7 @@ class DecodeKernel:
                 heads // kv_heads,
                 head_dim,
                 cache_slots,
-                slots.shape[1],
+                page_size,
                 scale,
                 torch.get_num_threads(),
             )
@@ -100,6 +118,16 @@ class DecodeKernel:
         if status != 0:
             raise RuntimeError(f"the decode kernel refused {heads // kv_heads} groups of head size {head_dim}")
         return out
+
+
+def _rows_in_place(rows: torch.Tensor | None) -> torch.Tensor | None:
+    """``rows`` as it is where each row's D values lie side by side (the model's layouts), else a copy."""
+    return rows if rows is None or rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _rows(rows: torch.Tensor | None) -> tuple[int | None, int, int]:
+    """A [B, heads, D] view as the C code takes it: its address, and its row and head strides in elements."""
+    return (None, 0, 0) if rows is None else (rows.data_ptr(), rows.stride(0), rows.stride(1))
 
 
 @functools.cache

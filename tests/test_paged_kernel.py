@@ -38,8 +38,9 @@ def threads(request):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("kv_heads", "groups", "head_dim"), [(3, 3, 64), (2, 1, 32), (1, 8, 128)])
-def test_kernel_matches_pytorch_attention(dtype, kv_heads, groups, head_dim, threads):
+@pytest.mark.parametrize(("kv_heads", "groups", "head_dim"), [(3, 3, 64), (2, 1, 32), (1, 8, 128), (2, 4, 32)])
+@pytest.mark.parametrize("writes", [False, True], ids=["attends", "writes-then-attends"])
+def test_kernel_matches_pytorch_attention(dtype, kv_heads, groups, head_dim, writes, threads):
     kernel = load_decode_kernel()
     assert kernel is not None, "gcc is on this machine: the kernel must build"
     torch.manual_seed(head_dim)
@@ -47,17 +48,25 @@ def test_kernel_matches_pytorch_attention(dtype, kv_heads, groups, head_dim, thr
     k_cache = torch.randn(kv_heads, pages * page_size, head_dim, dtype=dtype)
     v_cache = torch.randn(kv_heads, pages * page_size, head_dim, dtype=dtype)
     lengths = torch.tensor([1, 37, 150, 16, 90])
-    slots = torch.zeros(len(lengths), int(lengths.max()), dtype=torch.long)  # padding: slot 0, never read
     order = torch.randperm(pages)  # requests' pages scattered over the pool, as the allocator leaves them
+    tables = torch.stack([order[i * 10 : (i + 1) * 10] for i in range(len(lengths))])
+    slots = torch.zeros(len(lengths), int(lengths.max()), dtype=torch.long)  # the reference's gather
     for i, length in enumerate(lengths.tolist()):
-        table = order[i * 10 : (i + 1) * 10]
         positions = torch.arange(length)
-        slots[i, :length] = table[positions // page_size] * page_size + positions % page_size
-    query = torch.randn(len(lengths), kv_heads * groups, head_dim, dtype=dtype)
+        slots[i, :length] = tables[i][positions // page_size] * page_size + positions % page_size
+    # the query and the new rows as the model leaves them: [heads, B, D] in memory, read through transposed views
+    query = torch.randn(kv_heads * groups, len(lengths), head_dim, dtype=dtype).transpose(0, 1)
+    new_kv = None
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    if writes:  # each request's newest token: its K and V go into the slot of position length - 1
+        new_kv = tuple(torch.randn(kv_heads, len(lengths), head_dim, dtype=dtype).transpose(0, 1) for _ in "kv")
+        last = slots[torch.arange(len(lengths)), lengths - 1]
+        k_expected[:, last], v_expected[:, last] = new_kv[0].transpose(0, 1), new_kv[1].transpose(0, 1)
     scale = head_dim**-0.5
-    got = kernel.attend(query, k_cache, v_cache, slots, lengths, scale)
+    got = kernel.attend(query, k_cache, v_cache, tables, lengths, page_size, scale, new_kv)
+    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    expected = reference(query, k_cache, v_cache, slots, lengths, scale)
+    expected = reference(query, k_expected, v_expected, slots, lengths, scale)
     torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
 
 
