@@ -176,18 +176,17 @@ def _paged_attention(
     if batch is None:
         raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention runs only inside the engine's forward (see serving)")
     k_cache, v_cache = batch.kv_cache[layer_idx]
+    kernel = batch.decode_kernel
+    if kernel is not None and batch.decode_covers_all:
+        # a decode-only step, the common one: one call writes every new K/V row and attends, reading the query
+        # and the new rows in the model's own layout (no copies)
+        pages, lengths = batch.decode_pages, batch.decode_lengths
+        res = kernel.attend(query, k_cache, v_cache, pages, lengths, batch.page_size, scale, (key, value))
+        return res.unsqueeze(0)
     heads, rows, head_dim = query.shape[1], query.shape[2], query.shape[3]
     kv_heads = k_cache.shape[0]
     groups = heads // kv_heads
     q = query[0]  # [H, T, D]
-    kernel = batch.decode_kernel
-    if kernel is not None and batch.decode_covers_all:
-        # a decode-only step, the common one: one call writes every new K/V row and attends, reading the query
-        # and the new rows in the model's own layout (transposed views: no copies)
-        new_kv = (key[0].transpose(0, 1), value[0].transpose(0, 1))  # [T, KVH, D]
-        pages, lengths = batch.decode_pages, batch.decode_lengths
-        res = kernel.attend(q.transpose(0, 1), k_cache, v_cache, pages, lengths, batch.page_size, scale, new_kv)
-        return res.unsqueeze(0)
     k_cache.index_copy_(1, batch.slot_mapping, key[0])
     v_cache.index_copy_(1, batch.slot_mapping, value[0])
     out = query.new_empty(rows, heads, head_dim)
@@ -197,7 +196,7 @@ def _paged_attention(
         n = q_dec.shape[1]
         if kernel is not None:
             pages, lengths = batch.decode_pages, batch.decode_lengths
-            res = kernel.attend(q_dec.transpose(0, 1), k_cache, v_cache, pages, lengths, batch.page_size, scale)
+            res = kernel.attend(q_dec.unsqueeze(0), k_cache, v_cache, pages, lengths, batch.page_size, scale)
         else:
             # KV heads act as the batch dimension: index_select copies whole slot rows (fast), the gathered
             # context is contiguous, and each KV head's query group rides along as extra query rows.

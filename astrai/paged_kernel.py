@@ -75,44 +75,48 @@ class DecodeKernel:
         scale: float,
         new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """query [B, H, D]; caches [KVH, S, D]; pages [B, P] int64, each request's page table, of which the pages
-        holding its first ``lengths[b]`` positions are read. ``new_kv``: this step's keys and values [B, KVH, D],
-        written into the slot of position ``lengths[b] - 1`` before any request attends. Returns [B, H, D].
+        """query [1, H, B, D], as the attention hook gets it; caches [KVH, S, D]; pages [B, P] int64, each request's
+        page table, of which the pages holding its first ``lengths[b]`` positions are read. ``new_kv``: this step's
+        keys and values [1, KVH, B, D], written into the slot of position ``lengths[b] - 1`` before any request
+        attends. Returns [B, H, D].
 
-        Query and new rows may be strided views (the model's own layout: read in place where each row's D values
-        lie side by side); the caches, pages and lengths contiguous; all of one float dtype but pages and lengths
-        (int64). The C code indexes raw memory: these are checked per call. That every page read lies below S holds
-        by construction (page tables come from the engine's pool), so it is not.
+        Query and new rows are read in place through their strides (the model's transposed layouts: no copies)
+        where each row's D values lie side by side; the caches, pages and lengths must be contiguous; all of one
+        float dtype but pages and lengths (int64). The C code indexes raw memory: these are checked per call. That
+        every page read lies below S holds by construction (page tables come from the engine's pool), so it is
+        not. This runs once per layer and step: it stays lean (no profiler range, no views), as its Python cost
+        was about as large as the kernel's own time on the embedded model.
         """
-        batch, heads, head_dim = query.shape
+        _, heads, batch, head_dim = query.shape
         kv_heads, cache_slots, _ = k_cache.shape
         query, new_k, new_v = (_rows_in_place(t) for t in (query, *(new_kv or (None, None))))
-        if not all(t.is_contiguous() for t in (k_cache, v_cache, pages, lengths)):
-            raise ValueError("the decode kernel needs contiguous caches, pages and lengths")
-        views = [t for t in (query, new_k, new_v, v_cache) if t is not None]
-        if any(t.dtype != k_cache.dtype for t in views) or not pages.dtype == lengths.dtype == torch.long:
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and pages.is_contiguous()):
+            raise ValueError("the decode kernel needs contiguous caches and pages")
+        dtype = k_cache.dtype
+        if not (query.dtype == v_cache.dtype == dtype and pages.dtype == lengths.dtype == torch.long) or (
+            new_k is not None and not new_k.dtype == new_v.dtype == dtype
+        ):
             raise ValueError("the decode kernel needs query, rows and caches of one dtype, and int64 pages and lengths")
-        out = query.new_empty(query.shape)
-        with torch.profiler.record_function("astrai::paged_decode"):  # named in profiles; ctypes calls are not ops
-            status = self.functions[query.dtype](
-                *_rows(query),
-                *_rows(new_k),
-                *_rows(new_v),
-                k_cache.data_ptr(),
-                v_cache.data_ptr(),
-                pages.data_ptr(),
-                pages.shape[1],
-                lengths.data_ptr(),
-                out.data_ptr(),
-                batch,
-                kv_heads,
-                heads // kv_heads,
-                head_dim,
-                cache_slots,
-                page_size,
-                scale,
-                torch.get_num_threads(),
-            )
+        out = torch.empty((batch, heads, head_dim), dtype=dtype)
+        status = self.functions[dtype](
+            *_rows(query),
+            *_rows(new_k),
+            *_rows(new_v),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            pages.data_ptr(),
+            pages.shape[1],
+            lengths.data_ptr(),
+            out.data_ptr(),
+            batch,
+            kv_heads,
+            heads // kv_heads,
+            head_dim,
+            cache_slots,
+            page_size,
+            scale,
+            torch.get_num_threads(),
+        )
         if status == -2:
             raise MemoryError("the decode kernel could not allocate its per-thread scores")
         if status != 0:
@@ -126,8 +130,8 @@ def _rows_in_place(rows: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _rows(rows: torch.Tensor | None) -> tuple[int | None, int, int]:
-    """A [B, heads, D] view as the C code takes it: its address, and its row and head strides in elements."""
-    return (None, 0, 0) if rows is None else (rows.data_ptr(), rows.stride(0), rows.stride(1))
+    """A [1, heads, B, D] tensor as the C code takes it: its address, and its row (B) and head strides."""
+    return (None, 0, 0) if rows is None else (rows.data_ptr(), rows.stride(2), rows.stride(1))
 
 
 @functools.cache

@@ -112,7 +112,8 @@ def main() -> None:
 
 
 def op_table(runner: ModelRunner, work: list[tuple[Request, int]], steps: int) -> str:
-    """torch.profiler's table of the ops of ``steps`` decode steps, by self time (the C kernel is one entry)."""
+    """torch.profiler's table of the ops of ``steps`` decode steps, by self time (the C kernel's time is
+    ``astrai::paged_attention``'s self time)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         for _ in range(steps):
             runner.step(work)

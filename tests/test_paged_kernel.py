@@ -54,19 +54,20 @@ def test_kernel_matches_pytorch_attention(dtype, kv_heads, groups, head_dim, wri
     for i, length in enumerate(lengths.tolist()):
         positions = torch.arange(length)
         slots[i, :length] = tables[i][positions // page_size] * page_size + positions % page_size
-    # the query and the new rows as the model leaves them: [heads, B, D] in memory, read through transposed views
-    query = torch.randn(kv_heads * groups, len(lengths), head_dim, dtype=dtype).transpose(0, 1)
+    # the query and the new rows as the hook gets them, [1, heads, B, D]: transposed views of [1, B, heads, D]
+    batch = len(lengths)
+    query = torch.randn(1, batch, kv_heads * groups, head_dim, dtype=dtype).transpose(1, 2)
     new_kv = None
     k_expected, v_expected = k_cache.clone(), v_cache.clone()
     if writes:  # each request's newest token: its K and V go into the slot of position length - 1
-        new_kv = tuple(torch.randn(kv_heads, len(lengths), head_dim, dtype=dtype).transpose(0, 1) for _ in "kv")
-        last = slots[torch.arange(len(lengths)), lengths - 1]
-        k_expected[:, last], v_expected[:, last] = new_kv[0].transpose(0, 1), new_kv[1].transpose(0, 1)
+        new_kv = tuple(torch.randn(1, batch, kv_heads, head_dim, dtype=dtype).transpose(1, 2) for _ in "kv")
+        last = slots[torch.arange(batch), lengths - 1]
+        k_expected[:, last], v_expected[:, last] = new_kv[0][0], new_kv[1][0]
     scale = head_dim**-0.5
     got = kernel.attend(query, k_cache, v_cache, tables, lengths, page_size, scale, new_kv)
     assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    expected = reference(query, k_expected, v_expected, slots, lengths, scale)
+    expected = reference(query[0].transpose(0, 1), k_expected, v_expected, slots, lengths, scale)
     torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
 
 
