@@ -50,6 +50,13 @@ def test_a_fresh_process_compiles_into_an_empty_cache(compiled_once):
     assert first["ids"] == first["reference"]
 
 
+def test_what_a_compile_leaves_is_collected_before_the_engine_serves(compiled_once):
+    """A compile leaves hundreds of thousands of objects; collected at start-up, not by the first full collection
+    Python happens to make in the middle of a run (451 ms of one 814 ms run on the embedded model)."""
+    _, (first,) = compiled_once
+    assert first["since_full"] <= 2, first["since_full"]
+
+
 def test_a_second_process_loads_it_and_generates_the_same(compiled_once):
     """The second process traces and compiles nothing: it loads the forward, and serves both the weights it was
     compiled with and another model's of the same shape (weights are graph inputs, not constants)."""

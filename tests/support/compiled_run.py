@@ -2,12 +2,14 @@
 
 For each seed (a tiny Llama of that seed's weights, every layer packed so that the packed-linear op is in the
 graph), an engine with ``compile=True`` generates greedily; printed per model: where its compiled forward came from
-("loaded" from the cache, "compiled" now, or "eager"), its output ids and transformers' own. The cache is the one
-``XDG_CACHE_HOME`` names. tests/test_compiled_forward.py runs it in fresh processes.
+("loaded" from the cache, "compiled" now, or "eager"), its output ids and transformers' own, and how many
+collections of the younger generations Python made since its last full one, once the engine was ready. The cache
+is the one ``XDG_CACHE_HOME`` names. tests/test_compiled_forward.py runs it in fresh processes.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 
@@ -28,11 +30,12 @@ def main(seeds: list[int]) -> None:
         with InferenceEngine(model, tokenizer, page_size=4, n_pages=64, compile=True) as engine:
             compiled = engine.runner.compiled
             source = "eager" if compiled is None else "loaded" if compiled.loaded else "compiled"
+            since_full = gc.get_count()[2]  # collections of the younger generations since the last full one
             stream = engine.generate(PROMPTS, max_tokens=NEW_TOKENS, stream=True)
             for _ in stream:
                 pass
             ids = [list(info.output_ids) for info in engine.request_info(stream.request_ids)]
-        results.append({"seed": seed, "source": source, "ids": ids, "reference": reference})
+        results.append({"seed": seed, "source": source, "ids": ids, "reference": reference, "since_full": since_full})
     print(json.dumps(results))
 
 
