@@ -42,7 +42,7 @@ def replica_args(args: argparse.Namespace, i: int) -> argparse.Namespace:
     # replicas then share one core and leave the other idle. Replica i gets core i (modulo the cores it may use),
     # its model's threads and its whole process tree (``serve_vllm.confined``): with only the model's thread
     # bound, one replica's API server and engine core ran beside the other's busy model on its core, and both
-    # replicas' streams stalled 0.3-0.7 s whenever both ran; confined, the longest gap between two chunks was 19 ms.
+    # replicas' streams stalled 0.3-0.8 s whenever both ran; confined, the longest gap between two chunks was 65 ms.
     allowed = sorted(os.sched_getaffinity(0))
     replica.cores = {allowed[i % len(allowed)]}
     return replica
