@@ -90,8 +90,8 @@ class DecodeKernel:
         _, heads, batch, head_dim = query.shape
         kv_heads, cache_slots, _ = k_cache.shape
         query, new_k, new_v = (_rows_in_place(t) for t in (query, *(new_kv or (None, None))))
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and pages.is_contiguous()):
-            raise ValueError("the decode kernel needs contiguous caches and pages")
+        if not all(t.is_contiguous() for t in (k_cache, v_cache, pages, lengths)):
+            raise ValueError("the decode kernel needs contiguous caches, pages and lengths")
         dtype = k_cache.dtype
         if not (query.dtype == v_cache.dtype == dtype and pages.dtype == lengths.dtype == torch.long) or (
             new_k is not None and not new_k.dtype == new_v.dtype == dtype
