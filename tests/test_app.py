@@ -6,6 +6,7 @@ import functools
 import json
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -111,20 +112,21 @@ def one_at_a_time_url():
         yield url
 
 
-@pytest.fixture
-def one_at_a_time(one_at_a_time_url):
+def browser_on(url: str) -> Iterator:
     if not shutil.which(CHROMIUM):
         pytest.skip("Debian chromium is not installed (.ci/run installs it)")
-    with open_playground(one_at_a_time_url) as pg:
+    with open_playground(url) as pg:
         yield pg
+
+
+@pytest.fixture
+def one_at_a_time(one_at_a_time_url):
+    yield from browser_on(one_at_a_time_url)
 
 
 @pytest.fixture
 def page(server_url):
-    if not shutil.which(CHROMIUM):
-        pytest.skip("Debian chromium is not installed (.ci/run installs it)")
-    with open_playground(server_url) as pg:
-        yield pg
+    yield from browser_on(server_url)
 
 
 @pytest.mark.browser
