@@ -20,7 +20,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from astrai.attention import ATTN_IMPLEMENTATION, PagedBatch, build_paged_batch, serving
-from astrai.compiled_forward import Compiled, Progress, compile_on_gpu, load_or_compile, logits
+from astrai.compiled_forward import Compiled, GraphNoLongerFits, Progress, compile_on_gpu, load_or_compile, logits
 from astrai.device import resolve_cpu_speedup, to_device, uses_openmp
 from astrai.model_thread import SharedForwards
 from astrai.packed_linear import pack_linears, packing_supported, unpack_linears
@@ -252,9 +252,7 @@ class PreparedModel:
             if compiled is not None:
                 try:
                     return compiled.forward(self.model, tokens, positions, rows)[0]
-                except RuntimeError as exc:
-                    if "GuardManager check failed" not in str(exc):
-                        raise
+                except GraphNoLongerFits as exc:
                     # the process changed what the graph was compiled for (torch.set_num_threads, say): serve
                     # eager from here on rather than fail every step; forwards run one at a time, so no race
                     log.warning("the compiled forward no longer fits this process (%s); serving eager", exc)
