@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from astrai import InferenceEngine
@@ -45,7 +47,20 @@ def test_requests_are_registered_before_the_stream_is_read(engine):
     assert len(list(stream)) > 0
 
 
-def test_deltas_never_split_a_multibyte_character(tokenizer):
+@pytest.fixture(params=["stream", "windows"])
+def detokenized(request, tokenizer):
+    """The tokenizer, detokenized by ``tokenizers``' DecodeStream, or (one that cleans up spaces after decoding,
+    which the stream does not) by decoding a window of tokens per push."""
+    if request.param == "stream":
+        return tokenizer
+    cleaning = copy.deepcopy(tokenizer)
+    cleaning.clean_up_tokenization_spaces = True
+    assert IncrementalDetokenizer(cleaning)._stream is None
+    return cleaning
+
+
+def test_deltas_never_split_a_multibyte_character(detokenized):
+    tokenizer = detokenized
     text = "A 🦄 and 漢字 and ñ: “ok” — 🐉🐉 done"
     ids = tokenizer(text, add_special_tokens=False).input_ids
     assert any(tokenizer.decode([t]).endswith(REPLACEMENT) for t in ids), "the text must split characters"
@@ -55,8 +70,9 @@ def test_deltas_never_split_a_multibyte_character(tokenizer):
     assert "".join(deltas) == text == tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def test_random_bytes_still_join_to_the_full_decode(tokenizer):
+def test_random_bytes_still_join_to_the_full_decode(detokenized):
     """Random token soup (what a random model emits) may hold broken UTF-8; the joined text still matches."""
+    tokenizer = detokenized
     import random
 
     rng = random.Random(0)
