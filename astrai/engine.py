@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import random
 import threading
 import time
+import weakref
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -37,6 +39,23 @@ from astrai.scheduler import Scheduler
 from astrai.streams import GenerationStream
 
 log = logging.getLogger("astrai")
+
+_running_engines: weakref.WeakSet[InferenceEngine] = weakref.WeakSet()  # not shut down yet
+
+
+@atexit.register
+def _shut_down_at_exit() -> None:
+    """Stop every engine's loop before the interpreter finalizes.
+
+    Why: the loop is a daemon thread (a script need not shut an engine down to exit), and once the interpreter is
+    finalizing, a daemon thread that takes the GIL back is ended on the spot by a forced unwind. A loop ended so in
+    the middle of a step is inside torch's C++ code, and the unwind aborts the whole process ("terminate called
+    without an active exception", exit status 134): a script that stopped reading a stream early and returned
+    crashed at exit. ``atexit`` runs before that point, so each loop finishes its step and ends as ``shutdown``
+    ends it.
+    """
+    for engine in list(_running_engines):
+        engine.shutdown()
 
 
 class EngineClosedError(RuntimeError):
@@ -166,6 +185,7 @@ class InferenceEngine:
         self._release_pool()  # this thread prepared the model; its idle OpenMP workers would slow the loop's
         self._thread = threading.Thread(target=self._loop, name="astrai-engine", daemon=True)
         self._thread.start()
+        _running_engines.add(self)
 
     # ----- construction ---------------------------------------------------------------------------------
     @classmethod
@@ -372,6 +392,7 @@ class InferenceEngine:
         with self._lock:
             self._closed = True
             self._work_arrived.notify_all()
+        _running_engines.discard(self)
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
         if self._thread.is_alive():

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -162,3 +165,21 @@ def test_shutdown_fails_running_requests_promptly_and_later_calls_raise(model, t
     assert not engine._thread.is_alive()
     with pytest.raises(EngineClosedError, match="shut down"):
         engine.generate(PROMPT)
+
+
+def test_a_script_that_returns_while_its_engine_generates_exits_cleanly():
+    """The loop is a daemon thread: a script that stops reading a stream and returns must not crash at exit.
+
+    Without the engine's exit hook, the interpreter ended the loop mid-step, inside torch's C++ code, and the
+    process aborted ("terminate called without an active exception", exit status 134) every time.
+    """
+    code = (
+        "from astrai import InferenceEngine\n"
+        "engine = InferenceEngine.from_pretrained('assets/models/tinystories-llama', compile=False)\n"
+        "stream = engine.generate(['Once upon a time'] * 4, max_tokens=400, stream=True)\n"
+        "print(next(stream))\n"
+    )
+    root = Path(__file__).parents[1]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "terminate called" not in done.stderr
