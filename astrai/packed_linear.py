@@ -6,10 +6,10 @@ skinny products are bound by streaming the weights and by each call's fixed cost
 - **Packing.** torch's default CPU GEMM re-lays a weight out on every call and leaves most of the memory bandwidth
   unused; oneDNN with a weight packed ahead of time streams it. On a 2-core machine this made a SmolLM2-135M-shaped
   float32 decode step 1.4-1.6x faster, and 512-row products (prefill chunks) 1.3-1.5x (``docs/benchmarks.md``).
-  torch's inductor packs CPU linear weights the same way when it freezes a model. A oneDNN call has a fixed cost
-  (about 40 us), so in float32 a weight of fewer than ``MIN_FLOAT32_ELEMENTS`` runs faster through torch's own GEMM
-  (per matrix at 8 and 64 rows, one run, the median of 200 calls each: a 256x256 weight took 55 us packed against
-  31 us plain, a 576x576 one 124 against 149). In bfloat16 packing won at every size measured, so all are packed.
+  torch's inductor packs CPU linear weights the same way when it freezes a model, and vLLM's CPU backend packs
+  every dense projection. Every weight is packed, the small float32 ones too: on the 2-core AMD EPYC the embedded
+  model's compiled float32 decode step was 1.07-1.08x faster with its query-key-value (384x256), output (256x256)
+  and down (256x576) weights packed than plain, and its 512-token prefill step 1.04-1.05x (``docs/benchmarks.md``).
 - **Fusing siblings.** Attention applies its query, key and value projections, and a gated MLP its gate and up
   projections, to one and the same input. Computed as one product over the rows of their weights stacked, each
   group costs one call instead of two or three, and its small members (a GQA model's key and value projections)
@@ -39,11 +39,9 @@ import weakref
 from collections import Counter
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 BATCH_HINT = 8  # rows oneDNN tunes the packed layout for; any row count works
-MIN_FLOAT32_ELEMENTS = 1 << 18  # smaller float32 weights stay plain (see above)
 # child names of the projections that one module applies to one input (transformers' Llama-style naming)
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -72,10 +70,6 @@ def packing_supported(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def worth_packing(weight: torch.Tensor) -> bool:
-    return weight.dtype != torch.float32 or weight.numel() >= MIN_FLOAT32_ELEMENTS
-
-
 class FusedProduct(nn.Module):
     """One product for sibling linear layers that read the same input: ``x @ [W_1; W_2; ...]^T``, split by columns.
 
@@ -92,19 +86,15 @@ class FusedProduct(nn.Module):
     def __init__(self, linears: list[nn.Linear], release: list[bool]):
         super().__init__()
         weight = torch.cat([linear.weight.detach() for linear in linears])
-        self.packed = worth_packing(weight)
         biases = [linear.bias for linear in linears]
         bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
         # buffers, so that a compiled graph takes them as inputs; not persistent: the state_dict is unchanged
         self.register_buffer("bias", bias, persistent=False)
-        if self.packed:
-            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)  # not a buffer (above)
-            handle = next(_next_handle)
-            _packed_weights[handle] = self.packed_weight
-            weakref.finalize(self, _packed_weights.pop, handle, None)  # the table never outlives the layer
-            self.register_buffer("handle", torch.tensor(handle), persistent=False)
-        else:
-            self.register_buffer("weight", weight, persistent=False)
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)  # not a buffer (above)
+        handle = next(_next_handle)
+        _packed_weights[handle] = self.packed_weight
+        weakref.finalize(self, _packed_weights.pop, handle, None)  # the table never outlives the layer
+        self.register_buffer("handle", torch.tensor(handle), persistent=False)
         self.widths = [linear.out_features for linear in linears]
         self.originals = list(zip(linears, release, strict=True))  # a plain list: not registered as submodules
         self._input: weakref.ref[torch.Tensor] | None = None
@@ -115,8 +105,6 @@ class FusedProduct(nn.Module):
                 linear.weight.data = linear.weight.data.new_empty(0)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.packed:
-            return F.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():
             return packed_linear(x, self.handle, self.bias, sum(self.widths))
         # eager: oneDNN directly, without the custom op's dispatch
@@ -135,10 +123,10 @@ class FusedProduct(nn.Module):
         return part
 
     def extra_repr(self) -> str:
-        return f"widths={self.widths}, packed={self.packed}"
+        return f"widths={self.widths}"
 
     def unpacked(self) -> list[nn.Linear]:
-        dense = self.packed_weight.to_dense() if self.packed else self.weight
+        dense = self.packed_weight.to_dense()
         for (linear, released), rows in zip(self.originals, dense.split(self.widths), strict=True):
             if released:
                 linear.weight.data = rows.clone()
@@ -158,18 +146,15 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Swap every plain ``nn.Linear`` of ``model`` for a ``PackedLinear``, siblings fused; return how many of them
-    run from a packed weight."""
+    """Swap every plain ``nn.Linear`` of ``model`` for a ``PackedLinear``, siblings fused; return how many."""
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     packed = 0
     for names in _groups(model):
         linears = [model.get_submodule(name) for name in names]
-        if len(linears) == 1 and not worth_packing(linears[0].weight):
-            continue  # one small float32 layer gains nothing from standing in
         group = FusedProduct(linears, release=[uses[id(linear.weight)] == 1 for linear in linears])
         for index, name in enumerate(names):
             _set_submodule(model, name, PackedLinear(group, index))
-        packed += len(names) * group.packed
+        packed += len(names)
     return packed
 
 

@@ -34,10 +34,3 @@ def model(tokenizer):
     from tests.support.tiny_models import make_model
 
     return make_model("llama", len(tokenizer))
-
-
-@pytest.fixture
-def pack_every_layer(monkeypatch):
-    """The tiny test models' float32 weights are all below the size where packing pays (astrai.packed_linear), so
-    the engine would leave them plain: pack them all, so the packed path is the one compared."""
-    monkeypatch.setattr("astrai.packed_linear.MIN_FLOAT32_ELEMENTS", 0)

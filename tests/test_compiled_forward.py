@@ -74,7 +74,6 @@ def test_an_artifact_that_does_not_load_is_compiled_again(compiled_once, tmp_pat
     (artifact,) = tmp_path.glob(f"astrai/compiled/*/{ARTIFACT}")
     artifact.write_bytes(b"not an artifact")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(packed_linear, "MIN_FLOAT32_ELEMENTS", 0)
     model = make_model("llama", len(tokenizer))
     prompt = compiled_run.PROMPTS[0]
     expected = reference_generate(model, tokenizer, prompt, 8)
@@ -123,7 +122,7 @@ def test_the_key_covers_what_the_compiled_graph_depends_on(monkeypatch, tokenize
     assert key(dtype=torch.bfloat16) != base
     assert key(rms_norm_eps=1e-3) != base
     changes = {
-        "the module tree (every layer packed)": lambda patch: patch.setattr(packed_linear, "MIN_FLOAT32_ELEMENTS", 0),
+        "the module tree (siblings not fused)": lambda patch: patch.setattr(packed_linear, "SIBLINGS", ()),
         "the torch version": lambda patch: patch.setattr(torch, "__version__", "0.0"),
         "the CPU": lambda patch: patch.setattr(compiled_forward, "cpu_identity", lambda: "another CPU"),
         "the thread count": lambda patch: patch.setattr(torch, "get_num_threads", lambda: 97),

@@ -10,8 +10,6 @@ import torch.utils._triton
 from astrai import InferenceEngine
 from tests.support.tiny_models import FAMILIES, make_model, make_tokenizer, reference_generate
 
-pytestmark = pytest.mark.usefixtures("pack_every_layer")
-
 PAGE = 4
 NEW_TOKENS = 16
 PROMPTS = [

@@ -16,8 +16,6 @@ from astrai import InferenceEngine
 from astrai.packed_linear import PackedLinear
 from tests.support.tiny_models import FAMILIES, make_model, reference_generate
 
-pytestmark = pytest.mark.usefixtures("pack_every_layer")  # every layer packed: the shared, stateful path
-
 NEW_TOKENS = 16
 PROMPTS = [
     "Once upon a time there was a little cat.",
