@@ -11,9 +11,11 @@ pages only. Requests with one query token (decodes) are attended together by the
 which reads every request's K and V rows where they lie in the pages (as vLLM's CPU attention does). Where that
 kernel cannot be built, they go through one ``scaled_dot_product_attention`` call instead, each request a batch
 entry, its context first gathered into a contiguous copy and padded to the longest (masked). Multi-token chunks
-(prefills) go one by one through ``scaled_dot_product_attention`` with a causal mask over their own gathered
-context: their queries outnumber the context rows they read, so the gather costs little there. GQA is served
-without copying repeated heads: the query heads of one KV group share each K/V row they read.
+(prefills) go one by one through ``scaled_dot_product_attention``: a chunk with no cached context attends causally to
+this step's own keys and values (``is_causal``, no mask and no gather); one that continues a cached context (a prefix
+cache hit, a later chunk of a long prompt) attends over its context gathered out of the pages, through an additive
+mask. Their queries outnumber the context rows they read, so the gather costs little there. GQA is served without
+copying repeated heads (``enable_gqa``): the query heads of one KV group share each K/V row they read.
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ class PrefillChunk:
 
     start: int  # first row in the flattened batch
     length: int  # query tokens
-    key_slots: torch.Tensor  # [L] slots of its whole context, in position order
-    mask: torch.Tensor  # [groups * length, L] True where a query may attend
+    key_slots: torch.Tensor | None  # [L] slots of its whole context, in position order; None: no cached context
+    bias: torch.Tensor | None  # [length, L] 0 where a query may attend, -inf elsewhere; None with key_slots
 
 
 @dataclass
@@ -67,7 +69,6 @@ def build_paged_batch(
     kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
     items: list[tuple[list[int], int, int]],
     page_size: int,
-    groups: int,
     decode_kernel: DecodeKernel | None = None,
 ) -> PagedBatch:
     """``items`` holds, per request, (its page table, tokens already computed, tokens computed now).
@@ -77,7 +78,7 @@ def build_paged_batch(
     integer operations here (its new slot, its page table), not tensor ops: with 8 requests, building their slot
     tables one request at a time took about 0.3 ms of a 4-5 ms step of the embedded model.
     """
-    device = kv_cache[0][0].device
+    device, dtype = kv_cache[0][0].device, kv_cache[0][0].dtype
     new_slots: list[int] = []
     decode_rows: list[int] = []
     decode_pages: list[list[int]] = []
@@ -94,9 +95,12 @@ def build_paged_batch(
             positions = torch.arange(done + count)
             slots = torch.tensor(pages)[positions // page_size] * page_size + positions % page_size
             new_slots.extend(slots[done:].tolist())
-            mask = positions <= positions[done:].unsqueeze(1)
-            mask = mask.expand(groups, count, done + count).reshape(groups * count, done + count)
-            prefills.append(PrefillChunk(row, count, to_device(slots, device), to_device(mask, device)))
+            if done == 0:  # its context is this step's keys alone: causal attention needs neither
+                prefills.append(PrefillChunk(row, count, None, None))
+            else:
+                bias = torch.zeros(count, done + count, dtype=dtype)
+                bias.masked_fill_(positions > positions[done:].unsqueeze(1), float("-inf"))
+                prefills.append(PrefillChunk(row, count, to_device(slots, device), to_device(bias, device)))
         row += count
     widest = max((len(p) for p in decode_pages), default=0)
     table = torch.tensor([p + [0] * (widest - len(p)) for p in decode_pages], dtype=torch.long).view(
@@ -109,7 +113,7 @@ def build_paged_batch(
         positions = torch.arange(longest)
         slots_table = table[:, positions // page_size] * page_size + positions % page_size
         if any(n < longest for n in decode_lengths):
-            bias = torch.zeros(1, len(decode_lengths), 1, longest, dtype=kv_cache[0][0].dtype)
+            bias = torch.zeros(1, len(decode_lengths), 1, longest, dtype=dtype)
             bias[0, :, 0].masked_fill_(positions >= lengths.unsqueeze(1), float("-inf"))
     return PagedBatch(
         kv_cache=kv_cache,
@@ -214,12 +218,17 @@ def _paged_attention(
             out.index_copy_(0, batch.decode_rows, res)
 
     for chunk in batch.prefills:
-        q_pre = q[:, chunk.start : chunk.start + chunk.length].reshape(1, kv_heads, groups * chunk.length, head_dim)
-        k = k_cache.index_select(1, chunk.key_slots).unsqueeze(0)  # [1, KVH, L, D]
-        v = v_cache.index_select(1, chunk.key_slots).unsqueeze(0)
-        res = F.scaled_dot_product_attention(q_pre, k, v, attn_mask=chunk.mask, scale=scale)
-        res = res.reshape(heads, chunk.length, head_dim).transpose(0, 1)
-        out[chunk.start : chunk.start + chunk.length] = res
+        rows = slice(chunk.start, chunk.start + chunk.length)
+        if chunk.key_slots is None:
+            k, v, causal = key[:, :, rows], value[:, :, rows], True
+        else:
+            k = k_cache.index_select(1, chunk.key_slots).unsqueeze(0)  # [1, KVH, L, D]
+            v = v_cache.index_select(1, chunk.key_slots).unsqueeze(0)
+            causal = False
+        res = F.scaled_dot_product_attention(
+            query[:, :, rows], k, v, attn_mask=chunk.bias, is_causal=causal, scale=scale, enable_gqa=groups > 1
+        )
+        out[rows] = res[0].transpose(0, 1)
     return out.unsqueeze(0)
 
 

@@ -323,10 +323,6 @@ class ModelRunner:
         return self.prepared.preparation.device
 
     @property
-    def groups(self) -> int:
-        return self.prepared.groups
-
-    @property
     def decode_kernel(self) -> DecodeKernel | None:
         return self.prepared.decode_kernel
 
@@ -365,7 +361,6 @@ class ModelRunner:
             self.kv_cache,
             [(req.pages, req.num_computed, count) for req, count in work],
             self.page_size,
-            self.groups,
             self.decode_kernel,
         )
         device = self.device

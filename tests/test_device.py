@@ -118,8 +118,9 @@ def test_a_model_that_cannot_move_is_left_as_it_came(tokenizer):
 def test_every_tensor_of_a_step_lives_where_the_kv_does():
     """The meta device stands in for a GPU: a tensor of the step's metadata left on the host shows as cpu here."""
     kv_cache = [(torch.zeros(2, 64, 8, device="meta"), torch.zeros(2, 64, 8, device="meta"))]
-    # a prefill chunk, and two decodes of unequal context (PyTorch attention then masks the shorter one's padding)
-    batch = build_paged_batch(kv_cache, [([0, 1], 0, 6), ([2, 3], 6, 1), ([4], 2, 1)], page_size=4, groups=2)
+    # a prefill chunk that continues a cached context (its gather and mask), and two decodes of unequal context
+    # (PyTorch attention then masks the shorter one's padding)
+    batch = build_paged_batch(kv_cache, [([0, 1], 2, 4), ([2, 3], 6, 1), ([4], 2, 1)], page_size=4)
     assert batch.decode_bias is not None and len(batch.prefills) == 1
     tensors = {
         "slot_mapping": batch.slot_mapping,
@@ -128,7 +129,7 @@ def test_every_tensor_of_a_step_lives_where_the_kv_does():
         "decode_lengths": batch.decode_lengths,
         "decode_bias": batch.decode_bias,
         "key_slots": batch.prefills[0].key_slots,
-        "mask": batch.prefills[0].mask,
+        "bias": batch.prefills[0].bias,
     }
     assert {name: t.device.type for name, t in tensors.items()} == dict.fromkeys(tensors, "meta")
 

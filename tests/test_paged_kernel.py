@@ -117,7 +117,10 @@ def test_without_a_compiler_the_engine_attends_through_pytorch(fresh_kernel_cach
 
 
 @pytest.mark.parametrize("groups", [1, 2])
-@pytest.mark.parametrize("items", [[([0], 3, 1), ([1], 2, 1), ([2], 1, 1)], [([0, 1], 0, 6), ([2], 3, 1)]])
+@pytest.mark.parametrize(
+    "items",
+    [[([0], 3, 1), ([1], 2, 1), ([2], 1, 1)], [([0, 1], 0, 6), ([2], 3, 1)], [([0, 1], 2, 4), ([2], 3, 1)]],
+)
 def test_the_attention_op_agrees_with_its_fake(groups, items):
     """The compiled graph checks each op's output against its fake's size and strides: through PyTorch attention
     (the path on CUDA, or with attention_kernel=False), decodes of heads without query groups gave a view with the
@@ -126,7 +129,7 @@ def test_the_attention_op_agrees_with_its_fake(groups, items):
 
     kv_heads, head_dim, rows = 2, 8, sum(count for _, _, count in items)
     kv_cache = [(torch.randn(kv_heads, 16, head_dim), torch.randn(kv_heads, 16, head_dim))]
-    batch = build_paged_batch(kv_cache, items, page_size=4, groups=groups)
+    batch = build_paged_batch(kv_cache, items, page_size=4)
     query = torch.randn(1, kv_heads * groups, rows, head_dim)
     key, value = torch.randn(1, kv_heads, rows, head_dim), torch.randn(1, kv_heads, rows, head_dim)
     with serving(batch):
