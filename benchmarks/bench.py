@@ -49,6 +49,7 @@ from transformers import (
 
 from astrai import InferenceEngine
 from benchmarks.host_cpu import cpu_name
+from benchmarks.vllm_worker import descendants
 
 DEFAULT_ENGINE = "astrai, prefix caching on"
 REPO = Path(__file__).resolve().parents[1]
@@ -325,6 +326,10 @@ class Worker:
             outputs=out["outputs"],
         )
 
+    def cpu_seconds(self) -> float:
+        """CPU time used so far by every thread of the worker's processes (vLLM's engine core and model workers)."""
+        return sum(_process_cpu_seconds(pid) for pid in [self._process.pid, *descendants(self._process.pid)])
+
     def close(self) -> None:
         self._process.stdin.close()
         try:
@@ -332,6 +337,37 @@ class Worker:
         except subprocess.TimeoutExpired:
             self._process.kill()
             self._process.wait()
+
+
+def _process_cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):  # a process that ended meanwhile
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime, all its threads
+
+
+IDLE_SHARE = 0.1  # of one core, over IDLE_WINDOW_S: a worker that uses less is idle
+IDLE_WINDOW_S = 0.25
+IDLE_TIMEOUT_S = 15.0
+
+
+def wait_until_idle(workers: list[Worker]) -> float:
+    """Wait until no worker uses a CPU; return the seconds waited.
+
+    Why: vLLM's multiprocess engine keeps about one core busy for a second after each run (its processes measured
+    1.0 core for 1 s, then none, on the 2-core AMD EPYC). The method whose turn came next ran on the other core
+    alone, and the rotation put the engine right after it in every round: its warm-up and first timed run took the
+    loss (a W1 bfloat16 run at 540 tok/s against about 2,000 for the others). Each method now starts on an idle
+    machine; its own runs still follow each other as its users' would."""
+    started = time.perf_counter()
+    while time.perf_counter() - started < IDLE_TIMEOUT_S:
+        before = [w.cpu_seconds() for w in workers]
+        time.sleep(IDLE_WINDOW_S)
+        busy = [w.cpu_seconds() - b for w, b in zip(workers, before, strict=True)]
+        if max(busy, default=0.0) < IDLE_SHARE * IDLE_WINDOW_S:
+            break
+    return time.perf_counter() - started
 
 
 def vllm_method(setup: str, dtype: str) -> str:
@@ -494,10 +530,13 @@ def bench_model(
             worker.run(workloads[0], eos)
         for _ in range(rounds):
             for work in workloads:  # interleaved: every method runs each workload in turn
+                wait_until_idle(workers)  # a vLLM set-up may still be busy after its run (wait_until_idle)
                 floor = raw_forward_floor(base, vocab)  # re-measured each time: the machine drifts
                 results = [run_hf_generate(base, work, eos), run_hf_continuous(manager, work)]
                 results += [run_engine(engine, work, name) for name, engine in engines.items()]
-                results += [worker.run(work, eos) for worker in workers]
+                for worker in workers:
+                    wait_until_idle(workers)
+                    results.append(worker.run(work, eos))
                 reference[work.name] = results[0].outputs
                 blocks.append(Block(work.name, floor, results))
                 print("\n".join(table(title, blocks[-1:], reference).splitlines()[-len(results) :]), flush=True)
@@ -580,7 +619,8 @@ def versus_vllm(
 
     Each round, for each dtype, starts one fresh process per method (so the rounds sample the process-to-process
     spread too), then runs the workloads in turn: in each process one warm-up run of the workload, then ``runs``
-    timed runs, method after method (their order rotates from round to round). A method's figure in a round is its
+    timed runs, method after method (their order rotates from round to round), each method starting once every worker
+    is idle (``wait_until_idle``). A method's figure in a round is its
     median run; the ratio is the engine's over the faster vLLM set-up's, within the round."""
     model, tokenizer = load()
     eos = tokenizer.eos_token_id
@@ -614,6 +654,7 @@ def versus_vllm(
                         setups.setdefault(workers[-1].name, workers[-1].setup)
                     for work in workloads:
                         for worker in workers:
+                            wait_until_idle(workers)
                             worker.run(work, eos)  # the warm-up
                             timed = [worker.run(work, eos) for _ in range(runs)]
                             samples.append(Sample(round_, work.name, dtype, worker.name, timed))
