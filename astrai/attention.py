@@ -218,17 +218,17 @@ def _paged_attention(
             out.index_copy_(0, batch.decode_rows, res)
 
     for chunk in batch.prefills:
-        rows = slice(chunk.start, chunk.start + chunk.length)
+        span = slice(chunk.start, chunk.start + chunk.length)
         if chunk.key_slots is None:
-            k, v, causal = key[:, :, rows], value[:, :, rows], True
+            k, v, causal = key[:, :, span], value[:, :, span], True
         else:
             k = k_cache.index_select(1, chunk.key_slots).unsqueeze(0)  # [1, KVH, L, D]
             v = v_cache.index_select(1, chunk.key_slots).unsqueeze(0)
             causal = False
         res = F.scaled_dot_product_attention(
-            query[:, :, rows], k, v, attn_mask=chunk.bias, is_causal=causal, scale=scale, enable_gqa=groups > 1
+            query[:, :, span], k, v, attn_mask=chunk.bias, is_causal=causal, scale=scale, enable_gqa=groups > 1
         )
-        out[rows] = res[0].transpose(0, 1)
+        out[span] = res[0].transpose(0, 1)
     return out.unsqueeze(0)
 
 
