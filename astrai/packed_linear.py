@@ -4,12 +4,14 @@ Why: a decode step multiplies a handful of rows (one per request) by every weigh
 skinny products are bound by streaming the weights and by each call's fixed cost, so two things pay:
 
 - **Packing.** torch's default CPU GEMM re-lays a weight out on every call and leaves most of the memory bandwidth
-  unused; oneDNN with a weight packed ahead of time streams it. On a 2-core machine this made a SmolLM2-135M-shaped
-  float32 decode step 1.4-1.6x faster, and 512-row products (prefill chunks) 1.3-1.5x (``docs/benchmarks.md``).
+  unused; oneDNN with a weight packed ahead of time streams it. On a 2-core machine (2026-12-02; that run did not
+  record its CPU) this made a SmolLM2-135M-shaped float32 decode step 1.4-1.6x faster, and 512-row products
+  (prefill chunks) 1.3-1.5x (``docs/benchmarks.md``, "Packed linear weights").
   torch's inductor packs CPU linear weights the same way when it freezes a model, and vLLM's CPU backend packs
-  every dense projection. Every weight is packed, the small float32 ones too: on the 2-core AMD EPYC the embedded
-  model's compiled float32 decode step was 1.07-1.08x faster with its query-key-value (384x256), output (256x256)
-  and down (256x576) weights packed than plain, and its 512-token prefill step 1.04-1.05x (``docs/benchmarks.md``).
+  every dense projection. Every weight is packed, the small float32 ones too: on a 2-core AMD EPYC (no AMX) the
+  embedded model's compiled float32 decode step was 1.07-1.08x faster with its query-key-value (384x256), output
+  (256x256) and down (256x576) weights packed than plain, and its 512-token prefill step 1.04-1.05x
+  (``docs/benchmarks.md``).
 - **Fusing siblings.** Attention applies its query, key and value projections, and a gated MLP its gate and up
   projections, to one and the same input. Computed as one product over the rows of their weights stacked, each
   group costs one call instead of two or three, and its small members (a GQA model's key and value projections)
