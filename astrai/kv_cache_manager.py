@@ -103,14 +103,15 @@ class KVCacheManager:
         need = self._pages_for(total_tokens) - len(req.pages)
         if need > self.pool.available:
             return False
-        req.pages.extend(self.pool.allocate() for _ in range(need))
+        if need > 0:  # a decode step mostly has a page to write into already
+            req.pages.extend(self.pool.allocate() for _ in range(need))
         return True
 
     def mark_pending(self, req: Request, total_tokens: int) -> None:
         """Offer the pages this step's forward will complete to requests admitted later in the same step."""
-        if not self.prefix_caching:
-            return
         first, last = req.indexed_pages, total_tokens // self.page_size
+        if not self.prefix_caching or last <= first:  # most decode steps complete no page: no keys to build
+            return
         for i, key in enumerate(self._keys(req, last)[first:], start=first):
             self._pending.setdefault(key, (req.pages[i], req.id))
 
@@ -118,7 +119,7 @@ class KVCacheManager:
     def commit(self, req: Request) -> None:
         """Register the request's pages that became full in this step's forward."""
         full = req.num_computed // self.page_size
-        if self.prefix_caching:
+        if self.prefix_caching and full > req.indexed_pages:  # most decode steps fill no page: no keys to build
             keys = self._keys(req, full)
             for i in range(req.indexed_pages, full):
                 parent = keys[i - 1] if i else None
