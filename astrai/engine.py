@@ -332,18 +332,18 @@ class InferenceEngine:
         wanted = set(pages)  # the per-step history asks for a few pages: owners only for those
         ranks = pool.lru_rank() if any(page in pool.lru for page in pages) else {}
         owners: dict[int, list[int]] = {}
-        seen: dict[int, tuple[Request, int]] = {}
+        first_owner: dict[int, Request] = {}
         for req in self.scheduler.running:
-            for i, page in enumerate(req.pages):
-                if page not in wanted:
-                    continue
+            # the set scans the page table in C: a decode step asks for ~1 page of each request's ~20
+            for page in wanted.intersection(req.pages):
                 owners.setdefault(page, []).append(req.id)
-                seen.setdefault(page, (req, i))
+                first_owner.setdefault(page, req)
         records = []
         for page in pages:
             tokens, pos = pool.tokens[page], pool.chain_pos[page]
-            if tokens is None and page in seen:
-                req, pos = seen[page]
+            if tokens is None and page in first_owner:
+                req = first_owner[page]
+                pos = req.pages.index(page)  # a page table holds a page once (each position has its own chain key)
                 tokens = tuple(req.token_ids[pos * size : min((pos + 1) * size, req.num_computed)])
             records.append(
                 PageRecord(
@@ -525,7 +525,7 @@ class InferenceEngine:
             delta = detok.push(token)
             if delta:
                 outbox.append((items, (index, "delta", delta)))
-            if token in self.eos_ids or len(req.output_ids) >= req.params.max_tokens:
+            if token in self.eos_ids or len(req.token_ids) - req.prompt_len >= req.params.max_tokens:
                 tail = detok.flush()
                 if tail:
                     outbox.append((items, (index, "delta", tail)))
