@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -348,9 +349,7 @@ class ModelRunner:
     def step(self, work: list[tuple[Request, int]]) -> torch.Tensor:
         """Compute ``count`` tokens of each request; return logits [R, V] (on the device) for the requests that
         reach their end. Nothing here waits for the device: the step's inputs are copied to it without a sync."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        sample_rows: list[int] = []
+        input_ids, positions, sample_rows = array("q"), array("q"), array("q")
         for req, count in work:
             start = req.num_computed
             input_ids.extend(req.token_ids[start : start + count])
@@ -364,7 +363,17 @@ class ModelRunner:
             self.decode_kernel,
         )
         device = self.device
-        tokens = to_device(torch.tensor([input_ids]), device)
-        positions_t = to_device(torch.tensor([positions]), device)
-        rows = to_device(torch.tensor(sample_rows, dtype=torch.long), device)
+        tokens = to_device(_long_tensor(input_ids).view(1, -1), device)
+        positions_t = to_device(_long_tensor(positions).view(1, -1), device)
+        rows = to_device(_long_tensor(sample_rows), device)
         return self.prepared.forward(self, batch, tokens, positions_t, rows)
+
+
+def _long_tensor(values: array) -> torch.Tensor:
+    """An int64 tensor over ``values``' own buffer (it keeps the array alive): contiguous, at offset 0, and 16-byte
+    aligned as CPython allocates it, so the compiled graph takes it as it took ``torch.tensor``'s.
+
+    Why: ``torch.tensor`` of a Python list inspects every element; an ``array('q')`` is already int64 memory, so
+    ``frombuffer`` only wraps it. ``frombuffer`` refuses an empty buffer: a step in which no request samples has no
+    rows."""
+    return torch.frombuffer(values, dtype=torch.long) if values else torch.empty(0, dtype=torch.long)
