@@ -7,15 +7,15 @@ and the hook hands each layer's query, key and value to one custom op, ``astrai:
 Being one opaque op per layer is what lets ``torch.compile`` take the rest of the model whole.
 
 Per layer, the op first writes the new K/V into their slots, then lets each request attend to its own
-pages only. Requests with one query token (decodes) are attended together by the C kernel of ``paged_kernel.py``,
-which reads every request's K and V rows where they lie in the pages (as vLLM's CPU attention does). Where that
-kernel cannot be built, they go through one ``scaled_dot_product_attention`` call instead, each request a batch
-entry, its context first gathered into a contiguous copy and padded to the longest (masked). Multi-token chunks
-(prefills) go one by one through ``scaled_dot_product_attention``: a chunk with no cached context attends causally to
-this step's own keys and values (``is_causal``, no mask and no gather); one that continues a cached context (a prefix
-cache hit, a later chunk of a long prompt) attends over its context gathered out of the pages, through an additive
-mask. Their queries outnumber the context rows they read, so the gather costs little there. GQA is served without
-copying repeated heads (``enable_gqa``): the query heads of one KV group share each K/V row they read.
+pages only. The C kernels of ``paged_kernel.py`` read every request's K and V rows where they lie in the pages (as
+vLLM's CPU attention does): one call attends every request with one query token (decodes), another every
+multi-token chunk (prefills, causally, a chunk after a cached prefix included). Where the kernels cannot be built
+(no compiler, a GPU), PyTorch attends instead: the decodes in one ``scaled_dot_product_attention`` call, each
+request a batch entry, its context first gathered into a contiguous copy and padded to the longest (masked); the
+chunks one by one, a chunk with no cached context causally over this step's own keys and values (``is_causal``, no
+mask and no gather), one that continues a cached context (a prefix cache hit, a later chunk of a long prompt) over
+its context gathered out of the pages, through an additive mask. GQA is served without copying repeated heads
+(``enable_gqa``, and the kernels' query groups): the query heads of one KV group share each K/V row they read.
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from astrai.device import to_device
-from astrai.paged_kernel import DecodeKernel
+from astrai.paged_kernel import PagedKernel
 
 ATTN_IMPLEMENTATION = "astrai_paged"
 
 
 @dataclass
 class PrefillChunk:
-    """A request computing several tokens this step."""
+    """A request computing several tokens this step, attended through PyTorch (where no kernel attends it)."""
 
     start: int  # first row in the flattened batch
     length: int  # query tokens
@@ -58,18 +58,20 @@ class PagedBatch:
     decode_rows: torch.Tensor  # [Bd] rows with a single query token
     decode_pages: torch.Tensor  # [Bd, Pmax] page table of each decode row, padded with page 0 (the kernel's input)
     decode_lengths: torch.Tensor  # [Bd] context length of each decode row
-    decode_kernel: DecodeKernel | None  # attends from the pages in place; None: gather, then attend
+    paged_kernel: PagedKernel | None  # attends from the pages in place; None: gather, then attend
     decode_table: torch.Tensor | None  # [Bd, Lmax] context slots of each decode row, padded with slot 0 (no kernel)
     decode_bias: torch.Tensor | None  # [1, Bd, 1, Lmax], -inf on padding: PyTorch attention, rows of unequal length
     decode_covers_all: bool  # every row is a decode row: skip the scatter (and the kernel writes the new K/V)
-    prefills: list[PrefillChunk]
+    prefills: list[PrefillChunk]  # multi-token chunks for PyTorch attention (empty where the kernel attends them)
+    prefill_spans: torch.Tensor | None  # [C, 3] (first row, rows, tokens computed before) per chunk, for the kernel
+    prefill_pages: torch.Tensor | None  # [C, Pmax] page table of each chunk, padded with page 0 (the kernel's input)
 
 
 def build_paged_batch(
     kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
     items: list[tuple[list[int], int, int]],
     page_size: int,
-    decode_kernel: DecodeKernel | None = None,
+    paged_kernel: PagedKernel | None = None,
 ) -> PagedBatch:
     """``items`` holds, per request, (its page table, tokens already computed, tokens computed now).
 
@@ -84,6 +86,8 @@ def build_paged_batch(
     decode_pages: list[list[int]] = []
     decode_lengths: list[int] = []
     prefills: list[PrefillChunk] = []
+    spans: list[list[int]] = []  # the kernel's chunks
+    span_pages: list[list[int]] = []
     row = 0
     for pages, done, count in items:
         if count == 1:
@@ -91,6 +95,10 @@ def build_paged_batch(
             decode_pages.append(pages)
             decode_lengths.append(done + 1)
             new_slots.append(pages[done // page_size] * page_size + done % page_size)
+        elif paged_kernel is not None:  # it reads the context from the pages, causally: no slots, no mask
+            new_slots.extend(pages[p // page_size] * page_size + p % page_size for p in range(done, done + count))
+            spans.append([row, count, done])
+            span_pages.append(pages)
         else:
             positions = torch.arange(done + count)
             slots = torch.tensor(pages)[positions // page_size] * page_size + positions % page_size
@@ -102,13 +110,10 @@ def build_paged_batch(
                 bias.masked_fill_(positions > positions[done:].unsqueeze(1), float("-inf"))
                 prefills.append(PrefillChunk(row, count, to_device(slots, device), to_device(bias, device)))
         row += count
-    widest = max((len(p) for p in decode_pages), default=0)
-    table = torch.tensor([p + [0] * (widest - len(p)) for p in decode_pages], dtype=torch.long).view(
-        len(decode_pages), widest
-    )
+    table = _page_table(decode_pages)
     lengths = torch.tensor(decode_lengths, dtype=torch.long)
     slots_table = bias = None
-    if decode_kernel is None:  # PyTorch gathers each row's context slots, then masks the padding
+    if paged_kernel is None:  # PyTorch gathers each row's context slots, then masks the padding
         longest = max(decode_lengths, default=0)
         positions = torch.arange(longest)
         slots_table = table[:, positions // page_size] * page_size + positions % page_size
@@ -122,12 +127,20 @@ def build_paged_batch(
         decode_rows=to_device(torch.tensor(decode_rows, dtype=torch.long), device),
         decode_pages=to_device(table, device),
         decode_lengths=to_device(lengths, device),
-        decode_kernel=decode_kernel,
+        paged_kernel=paged_kernel,
         decode_table=None if slots_table is None else to_device(slots_table, device),
         decode_bias=None if bias is None else to_device(bias, device),
         decode_covers_all=len(decode_rows) == row,
         prefills=prefills,
+        prefill_spans=to_device(torch.tensor(spans, dtype=torch.long), device) if spans else None,
+        prefill_pages=to_device(_page_table(span_pages), device) if spans else None,
     )
+
+
+def _page_table(tables: list[list[int]]) -> torch.Tensor:
+    """The page tables as one [N, widest] tensor, each padded with page 0 (never read: lengths bound the reads)."""
+    widest = max((len(p) for p in tables), default=0)
+    return torch.tensor([p + [0] * (widest - len(p)) for p in tables], dtype=torch.long).view(len(tables), widest)
 
 
 def paged_attention(
@@ -180,7 +193,7 @@ def _paged_attention(
     if batch is None:
         raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention runs only inside the engine's forward (see serving)")
     k_cache, v_cache = batch.kv_cache[layer_idx]
-    kernel = batch.decode_kernel
+    kernel = batch.paged_kernel
     if kernel is not None and batch.decode_covers_all:
         # a decode-only step, the common one: one call writes every new K/V row and attends, reading the query
         # and the new rows in the model's own layout (no copies)
@@ -217,6 +230,8 @@ def _paged_attention(
         else:
             out.index_copy_(0, batch.decode_rows, res)
 
+    if batch.prefill_spans is not None:
+        kernel.prefill(query, k_cache, v_cache, batch.prefill_pages, batch.prefill_spans, batch.page_size, scale, out)
     for chunk in batch.prefills:
         span = slice(chunk.start, chunk.start + chunk.length)
         if chunk.key_slots is None:

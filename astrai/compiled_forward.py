@@ -20,9 +20,9 @@ Invariants:
 * An artifact is used only under its key (``cache_key``): the torch, transformers and Python versions, the CPU (its
   model and flags) and torch's thread count (which its guards check), the model as prepared (its config, its module
   tree with which layers are fused and packed, and every parameter and buffer's name, shape and dtype) and the
-  source of what the graph calls (this module, the two ops, the C decode kernel and its flags). Weight *values* are
-  not in it: they are inputs, never constants, so one artifact serves any model of the same shape (a test serves
-  one model's weights through another's artifact).
+  source of what the graph calls (this module, the two ops, the C attention kernels and their flags). Weight
+  *values* are not in it: they are inputs, never constants, so one artifact serves any model of the same shape (a
+  test serves one model's weights through another's artifact).
 * Guards: those that travel between processes are kept (tensor metadata, global state, the shape environment;
   ``torch.compiler.keep_portable_guards_unsafe``), those that cannot (object identities) are dropped, which the
   key makes safe. They run in full at the first call, and again only when torch's global state changed

@@ -3,7 +3,7 @@
 An engine runs on one ``torch.device``: the CPU, or one CUDA GPU. The model's weights, the KV pool, each step's
 metadata and the sampling all live there, and only the sampled tokens come back to the host, once per step.
 
-Three speed-ups are CPU code and nothing else: oneDNN weight packing (``packed_linear.py``), the C decode kernel
+Three speed-ups are CPU code and nothing else: oneDNN weight packing (``packed_linear.py``), the C attention kernels
 (``paged_kernel.py``, which reads host memory through raw pointers) and the release of idle OpenMP pools
 (``openmp.py``). On CUDA they are switched off: weights stay transformers' own layers, decodes attend through
 PyTorch (``attention.py``), and no OpenMP pool is released (the loop runs no OpenMP regions worth freeing).

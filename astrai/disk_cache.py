@@ -1,6 +1,6 @@
 """Where astrai keeps what it builds for this machine, and what identifies this machine's CPU.
 
-What it builds (the C decode kernel, the compiled forward) lives under ``$XDG_CACHE_HOME/astrai`` (by default
+What it builds (the C attention kernels, the compiled forward) lives under ``$XDG_CACHE_HOME/astrai`` (by default
 ``~/.cache/astrai``), each entry under a key of everything its content depends on, this CPU among it: code built
 with ``-march=native`` or by inductor for this CPU's vector width must never reach another CPU through a cache
 shared between machines (a home on NFS, a copied image).

@@ -25,7 +25,7 @@ from astrai.compiled_forward import Compiled, GraphNoLongerFits, Progress, compi
 from astrai.device import resolve_cpu_speedup, to_device, uses_openmp
 from astrai.model_thread import SharedForwards
 from astrai.packed_linear import pack_linears, packing_supported, unpack_linears
-from astrai.paged_kernel import DecodeKernel, load_decode_kernel
+from astrai.paged_kernel import PagedKernel, load_paged_kernel
 from astrai.request import Request
 
 log = logging.getLogger("astrai")
@@ -133,8 +133,8 @@ class PreparedModel:
     Who owns what, under which lock:
 
     * The **preparation** (the weights moved to the device and dtype, and the original tensors, the attention
-      implementation, the packed layers, the decode kernel choice) is made by the first ``acquire`` and undone by the
-      last ``release``, both under the module's ``_prepared_lock``, which also guards the registry of prepared
+      implementation, the packed layers, the attention kernels' choice) is made by the first ``acquire`` and undone
+      by the last ``release``, both under the module's ``_prepared_lock``, which also guards the registry of prepared
       models and each one's count of users. Between the two it is read-only: no engine changes the model while
       another uses it.
     * The **compiled forward** is made by the first ``compile`` (each engine calls it after ``acquire``), under
@@ -165,8 +165,8 @@ class PreparedModel:
         self.preparation = preparation
         self.groups = heads // kv_heads
         self.users = 0
-        kernel = load_decode_kernel() if preparation.attention_kernel else None
-        self.decode_kernel: DecodeKernel | None = (
+        kernel = load_paged_kernel() if preparation.attention_kernel else None
+        self.paged_kernel: PagedKernel | None = (
             kernel if kernel is not None and kernel.supports(dtype, self.groups, head_dim) else None
         )
         self.was_training = model.training
@@ -324,8 +324,8 @@ class ModelRunner:
         return self.prepared.preparation.device
 
     @property
-    def decode_kernel(self) -> DecodeKernel | None:
-        return self.prepared.decode_kernel
+    def paged_kernel(self) -> PagedKernel | None:
+        return self.prepared.paged_kernel
 
     @property
     def packed_linears(self) -> int:
@@ -360,7 +360,7 @@ class ModelRunner:
             self.kv_cache,
             [(req.pages, req.num_computed, count) for req, count in work],
             self.page_size,
-            self.decode_kernel,
+            self.paged_kernel,
         )
         device = self.device
         tokens = to_device(_long_tensor(input_ids).view(1, -1), device)

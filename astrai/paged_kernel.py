@@ -1,20 +1,27 @@
-"""The C decode-attention kernel (``kernels/paged_decode.c``): built on first use, loaded with ctypes.
+"""The C attention kernels (``kernels/paged_attention.c``): built on first use, loaded with ctypes.
 
-Why a kernel of our own: a decode step's attention through PyTorch first gathers every request's context out of
-the pages into a contiguous copy (``index_select``), then attends over the copy; the kernel reads each K and V row
-where it lives, once. On a SmolLM2-135M-shaped model (8 requests at 300 tokens) the gather and the attention call
-were about a quarter of a float32 decode step and a third of a bfloat16 one, on one thread (docs/benchmarks.md);
-no library op attends over a page table on the CPU, and inductor turned the same computation either into the
-gather again or into a loop that read the values with scattered loads (slower than the gather).
+Two kernels read the K and V rows where they live in the pages, through each request's page table:
 
-It runs its (request, KV head) pairs on torch's own OpenMP threads (the C file says how it shares torch's runtime):
-whole eager decode steps of the SmolLM2-135M-shaped model were 1.08-1.11x faster in float32 and 1.06-1.09x in
-bfloat16 than with the kernel on one thread (2 threads, 3 rounds of 20 interleaved steps, docs/benchmarks.md).
+- **Decode** (``attend``): one query token per request. Through PyTorch, a decode step's attention first gathered
+  every request's context out of the pages into a contiguous copy (``index_select``), then attended over the copy.
+  On a SmolLM2-135M-shaped model (8 requests at 300 tokens) the gather and the attention call were about a quarter
+  of a float32 decode step and a third of a bfloat16 one, on one thread (docs/benchmarks.md); inductor turned the
+  same computation either into the gather again or into a loop that read the values with scattered loads.
+- **Prefill** (``prefill``): every multi-token chunk of a step, causally, in one call. Through PyTorch each chunk
+  was one ``scaled_dot_product_attention`` call, a chunk after a cached prefix with its context gathered and an
+  additive mask. The kernel made W1's 512-token step (a 256-token prefix, then seven 32-token suffixes that share
+  it) 1.11x faster on the embedded model in float32, 1.48x in bfloat16, and 1.20-1.21x on a SmolLM2-135M-shaped
+  model in bfloat16 (2-core AMD EPYC, no AMX; 3 rounds, docs/benchmarks.md).
 
-It is plain C, no PyTorch headers: ``gcc`` builds it in under a second, into ``~/.cache/astrai/kernels`` under a
+No library op attends over a page table on the CPU. Both run on torch's own OpenMP threads (the C file says how
+it shares torch's runtime): whole eager decode steps of the SmolLM2-135M-shaped model were 1.08-1.11x faster in
+float32 and 1.06-1.09x in bfloat16 than with the decode kernel on one thread (2 threads, 3 rounds of 20
+interleaved steps, docs/benchmarks.md).
+
+It is plain C, no PyTorch headers: ``gcc`` builds it in about a second, into ``~/.cache/astrai/kernels`` under a
 name that hashes the source, the flags and this CPU's model and flags (``-march=native``; ``disk_cache.py``).
-Where there is no compiler, or the build or load fails, ``load_decode_kernel`` returns None and the engine attends
-through PyTorch as before: the kernel is only a speed-up.
+Where there is no compiler, or the build or load fails, ``load_paged_kernel`` returns None and the engine attends
+through PyTorch as before: the kernels are only a speed-up.
 """
 
 from __future__ import annotations
@@ -35,20 +42,35 @@ from astrai.disk_cache import cache_dir, cpu_identity
 
 log = logging.getLogger("astrai")
 
-SOURCE = Path(__file__).with_name("kernels") / "paged_decode.c"
+SOURCE = Path(__file__).with_name("kernels") / "paged_attention.c"
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
-DTYPES = {torch.float32: "paged_decode_float32", torch.bfloat16: "paged_decode_bfloat16"}
+DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # the suffixes of the C functions
 MAX_GROUPS, MAX_HEAD_DIM = 16, 256  # the C code's fixed buffers (and it takes D in whole 16-float vectors)
 
 
-class DecodeKernel:
-    """``attend`` computes what the PyTorch decode path computes, from the pages in place."""
+class PagedKernel:
+    """``attend`` and ``prefill`` compute what the PyTorch decode and prefill paths compute, from the pages in place."""
 
     def __init__(self, library: ctypes.CDLL):
-        self.functions = {}
+        self.decode_functions = {}
+        self.prefill_functions = {}
         rows = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]  # a pointer, its row and head strides
-        for dtype, name in DTYPES.items():
-            function = getattr(library, name)
+        for dtype, suffix in DTYPES.items():
+            prefill = getattr(library, f"paged_prefill_{suffix}")
+            prefill.restype = ctypes.c_int
+            prefill.argtypes = [
+                *rows,  # query
+                *[ctypes.c_void_p] * 3,  # k_cache, v_cache, pages
+                ctypes.c_int64,  # the page table's width
+                ctypes.c_void_p,  # chunks
+                ctypes.c_int64,  # their count
+                ctypes.c_void_p,  # out
+                *[ctypes.c_int64] * 6,  # out's row stride, kv_heads, groups, head_dim, cache_slots, page_size
+                ctypes.c_float,
+                ctypes.c_int,
+            ]
+            self.prefill_functions[dtype] = prefill
+            function = getattr(library, f"paged_decode_{suffix}")
             function.restype = ctypes.c_int
             function.argtypes = [
                 *rows * 3,  # query, new keys, new values
@@ -59,10 +81,11 @@ class DecodeKernel:
                 ctypes.c_float,
                 ctypes.c_int,
             ]
-            self.functions[dtype] = function
+            self.decode_functions[dtype] = function
 
     def supports(self, dtype: torch.dtype, groups: int, head_dim: int) -> bool:
-        return dtype in self.functions and groups <= MAX_GROUPS and head_dim <= MAX_HEAD_DIM and head_dim % 16 == 0
+        fits = groups <= MAX_GROUPS and head_dim <= MAX_HEAD_DIM and head_dim % 16 == 0
+        return dtype in self.decode_functions and fits
 
     def attend(
         self,
@@ -98,7 +121,7 @@ class DecodeKernel:
         ):
             raise ValueError("the decode kernel needs query, rows and caches of one dtype, and int64 pages and lengths")
         out = torch.empty((batch, heads, head_dim), dtype=dtype)
-        status = self.functions[dtype](
+        status = self.decode_functions[dtype](
             *_rows(query),
             *_rows(new_k),
             *_rows(new_v),
@@ -123,6 +146,52 @@ class DecodeKernel:
             raise RuntimeError(f"the decode kernel refused {heads // kv_heads} groups of head size {head_dim}")
         return out
 
+    def prefill(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        pages: torch.Tensor,
+        chunks: torch.Tensor,
+        page_size: int,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Causal attention of the step's multi-token chunks, written into their rows of ``out`` [T, H, D]
+        (contiguous). query [1, H, T, D], as the attention hook gets it; caches [KVH, S, D], already holding every
+        chunk's new K and V rows; chunks [C, 3] int64, each (first row, rows, tokens computed before it); pages
+        [C, P] int64, each chunk's page table. Checked as ``attend``'s inputs are."""
+        heads, head_dim = query.shape[1], query.shape[3]
+        kv_heads, cache_slots, _ = k_cache.shape
+        query = _rows_in_place(query)
+        if not all(t.is_contiguous() for t in (k_cache, v_cache, pages, chunks, out)):
+            raise ValueError("the prefill kernel needs contiguous caches, pages, chunks and output")
+        dtype = k_cache.dtype
+        if not (query.dtype == v_cache.dtype == out.dtype == dtype and pages.dtype == chunks.dtype == torch.long):
+            raise ValueError("the prefill kernel needs query, caches and output of one dtype, int64 pages and chunks")
+        status = self.prefill_functions[dtype](
+            *_rows(query),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            pages.data_ptr(),
+            pages.shape[1],
+            chunks.data_ptr(),
+            chunks.shape[0],
+            out.data_ptr(),
+            out.stride(0),
+            kv_heads,
+            heads // kv_heads,
+            head_dim,
+            cache_slots,
+            page_size,
+            scale,
+            torch.get_num_threads(),
+        )
+        if status == -2:
+            raise MemoryError("the prefill kernel could not allocate its per-thread buffers")
+        if status != 0:
+            raise RuntimeError(f"the prefill kernel refused {heads // kv_heads} groups of head size {head_dim}")
+
 
 def _rows_in_place(rows: torch.Tensor | None) -> torch.Tensor | None:
     """``rows`` as it is where each row's D values lie side by side (the model's layouts), else a copy."""
@@ -135,10 +204,10 @@ def _rows(rows: torch.Tensor | None) -> tuple[int | None, int, int]:
 
 
 @functools.cache
-def load_decode_kernel() -> DecodeKernel | None:
+def load_paged_kernel() -> PagedKernel | None:
     """The kernel, built if this machine has not built it yet; None (logged once) where that is not possible."""
     try:
-        return DecodeKernel(ctypes.CDLL(str(_build())))
+        return PagedKernel(ctypes.CDLL(str(_build())))
     except Exception as error:  # no compiler, a read-only cache, an unknown CPU: PyTorch attends instead
         detail = error.stderr.decode(errors="replace") if isinstance(error, subprocess.CalledProcessError) else error
         log.warning("decode attention kernel unavailable (%s); attending through PyTorch", detail)
@@ -149,7 +218,7 @@ def _build() -> Path:
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join(FLAGS).encode() + cpu_identity().encode()).hexdigest()[:16]
     cache = cache_dir("kernels")
-    library = cache / f"paged_decode-{key}.so"
+    library = cache / f"paged_attention-{key}.so"
     if library.exists():
         return library
     compiler = shutil.which(os.environ.get("CC", "gcc"))

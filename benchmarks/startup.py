@@ -3,7 +3,7 @@
 
 Every start is a fresh process (``--child``): it loads the model (the embedded one, or the random SmolLM2-135M-shaped
 Llama of ``bench.py``), builds an engine at its defaults (compiled) and generates one token. A *cold* start has an
-empty cache (``XDG_CACHE_HOME`` an empty folder): it compiles the model (and builds the C decode kernel); a *warm*
+empty cache (``XDG_CACHE_HOME`` an empty folder): it compiles the model (and builds the C attention kernels); a *warm*
 one reuses the folder that the cold start before it filled. Each round runs, per model and dtype, a cold start and
 then a warm one. Printed per model, dtype and kind, min / median / max over the rounds: the compile (or the load of
 the compiled forward) alone, the engine's construction (preparing the model, then compiling or loading), and the

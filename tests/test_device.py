@@ -160,7 +160,7 @@ def test_an_engine_on_cuda_serves_from_it_and_hands_the_model_back_to_the_host(t
         assert engine.device == torch.device("cuda", torch.cuda.current_device())
         assert {p.device for p in model.parameters()} == {engine.device}
         assert engine.runner.kv_cache[0][0].device == engine.device
-        assert engine.runner.packed_linears == 0 and engine.runner.decode_kernel is None
+        assert engine.runner.packed_linears == 0 and engine.runner.paged_kernel is None
         stream = engine.generate(PROMPTS, max_tokens=16, stream=True)
         list(stream)
         assert [list(i.output_ids) for i in engine.request_info(stream.request_ids)] == refs

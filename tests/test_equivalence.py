@@ -56,9 +56,9 @@ def test_greedy_equals_transformers(family, device, prefix_caching, pool):
         device=device,
         compile=False,
     ) as engine:
-        on_cpu = engine.device.type == "cpu"  # the default path there: oneDNN-packed weights and the C decode kernel;
+        on_cpu = engine.device.type == "cpu"  # the default path there: oneDNN-packed weights, the C attention kernels;
         assert (engine.runner.packed_linears > 0) == on_cpu  # elsewhere transformers' own layers,
-        assert (engine.runner.decode_kernel is not None) == on_cpu  # and decodes attended through PyTorch
+        assert (engine.runner.paged_kernel is not None) == on_cpu  # and attention through PyTorch
         assert engine.runner.kv_cache[0][0].device == engine.device == next(model.parameters()).device
         for _ in range(2):  # the second round runs with the cache warm
             texts, ids = run_batch(engine, PROMPTS)
@@ -88,7 +88,7 @@ def test_chunked_prefill_equals_transformers(family, device):
 
 
 def test_plain_weights_and_attention_equal_transformers(family, device):
-    """Without its speed-ups (weight packing, the C decode kernel) the engine runs transformers' own linear layers
+    """Without its speed-ups (weight packing, the C attention kernels) the engine runs transformers' own linear layers
     and attends through PyTorch, with the same result."""
     model, tokenizer, refs, _ = family
     with InferenceEngine(
@@ -101,7 +101,7 @@ def test_plain_weights_and_attention_equal_transformers(family, device):
         device=device,
         compile=False,
     ) as engine:
-        assert engine.runner.packed_linears == 0 and engine.runner.decode_kernel is None
+        assert engine.runner.packed_linears == 0 and engine.runner.paged_kernel is None
         _, ids = run_batch(engine, PROMPTS)
     assert ids == refs
 

@@ -1,4 +1,4 @@
-"""The C decode kernel attends as PyTorch does, from the pages in place; without a compiler the engine still runs."""
+"""The C kernels attend as PyTorch does, from the pages in place; without a compiler the engine still runs."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from astrai import InferenceEngine
-from astrai.paged_kernel import _build, load_decode_kernel
+from astrai.paged_kernel import _build, load_paged_kernel
 from tests.support.tiny_models import reference_generate
 
 
@@ -41,7 +41,7 @@ def threads(request):
 @pytest.mark.parametrize(("kv_heads", "groups", "head_dim"), [(3, 3, 64), (2, 1, 32), (1, 8, 128), (2, 4, 32)])
 @pytest.mark.parametrize("writes", [False, True], ids=["attends", "writes-then-attends"])
 def test_kernel_matches_pytorch_attention(dtype, kv_heads, groups, head_dim, writes, threads):
-    kernel = load_decode_kernel()
+    kernel = load_paged_kernel()
     assert kernel is not None, "gcc is on this machine: the kernel must build"
     torch.manual_seed(head_dim)
     page_size, pages = 16, 60
@@ -71,11 +71,45 @@ def test_kernel_matches_pytorch_attention(dtype, kv_heads, groups, head_dim, wri
     torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("kv_heads", "groups", "head_dim"), [(3, 3, 64), (2, 1, 32), (1, 8, 128), (2, 4, 16)])
+def test_prefill_kernel_matches_causal_pytorch_attention(dtype, kv_heads, groups, head_dim, threads):
+    """Chunks of every shape the engine makes: a prompt from scratch, a suffix after a cached prefix (a hit), a
+    later chunk of a long prompt, one shorter than a query block and one longer than several, ending mid-page."""
+    kernel = load_paged_kernel()
+    assert kernel is not None, "gcc is on this machine: the kernel must build"
+    torch.manual_seed(head_dim)
+    page_size, pages = 16, 100
+    k_cache = torch.randn(kv_heads, pages * page_size, head_dim, dtype=dtype)
+    v_cache = torch.randn(kv_heads, pages * page_size, head_dim, dtype=dtype)
+    chunks = [(2, 0), (37, 0), (20, 256), (5, 3), (70, 33)]  # (tokens computed now, tokens computed before)
+    order = torch.randperm(pages)
+    tables = torch.stack([order[i * 20 : (i + 1) * 20] for i in range(len(chunks))])
+    rows = sum(count for count, _ in chunks)
+    query = torch.randn(1, rows, kv_heads * groups, head_dim, dtype=dtype).transpose(1, 2)  # [1, H, T, D] view
+    scale = head_dim**-0.5
+    spans, expected, row = [], torch.empty(rows, kv_heads * groups, head_dim, dtype=dtype), 0
+    for table, (count, done) in zip(tables, chunks, strict=True):
+        positions = torch.arange(done + count)
+        context = table[positions // page_size] * page_size + positions % page_size
+        k = k_cache[:, context].repeat_interleave(groups, dim=0).float()  # [H, L, D]
+        v = v_cache[:, context].repeat_interleave(groups, dim=0).float()
+        causal = positions <= positions[done:, None]  # query done + r sees positions 0 .. done + r
+        attended = F.scaled_dot_product_attention(query[0, :, row : row + count].float(), k, v, causal, scale=scale)
+        expected[row : row + count] = attended.transpose(0, 1).to(dtype)
+        spans.append([row, count, done])
+        row += count
+    got = torch.full_like(expected, float("nan"))
+    kernel.prefill(query, k_cache, v_cache, tables, torch.tensor(spans), page_size, scale, got)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+
+
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
 def test_kernel_runs_on_torchs_own_openmp_runtime():
     """The kernel's parallel loop uses the OpenMP runtime torch already loaded (so the same worker pool), not a
     second one, whose workers would fight torch's for the cores."""
-    assert load_decode_kernel() is not None
+    assert load_paged_kernel() is not None
     symbols = subprocess.run(["nm", "-D", "--undefined-only", str(_build())], capture_output=True, text=True)
     assert "GOMP_parallel" in symbols.stdout, "the kernel was built without OpenMP"
     runtimes = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libgomp" in line}
@@ -84,20 +118,20 @@ def test_kernel_runs_on_torchs_own_openmp_runtime():
 
 @pytest.fixture
 def fresh_kernel_cache(monkeypatch, tmp_path):
-    """An empty kernel cache, and ``load_decode_kernel`` asked afresh (it answers once per process)."""
+    """An empty kernel cache, and ``load_paged_kernel`` asked afresh (it answers once per process)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    load_decode_kernel.cache_clear()
+    load_paged_kernel.cache_clear()
     yield tmp_path
-    load_decode_kernel.cache_clear()
+    load_paged_kernel.cache_clear()
 
 
 def test_the_kernel_is_built_once_per_machine(fresh_kernel_cache, monkeypatch):
-    assert load_decode_kernel() is not None
-    built = list(fresh_kernel_cache.glob("astrai/kernels/paged_decode-*.so"))
+    assert load_paged_kernel() is not None
+    built = list(fresh_kernel_cache.glob("astrai/kernels/paged_attention-*.so"))
     assert len(built) == 1
-    load_decode_kernel.cache_clear()
+    load_paged_kernel.cache_clear()
     monkeypatch.setenv("CC", "no-such-compiler")  # a second load must not compile
-    assert load_decode_kernel() is not None
+    assert load_paged_kernel() is not None
 
 
 def test_without_a_compiler_the_engine_attends_through_pytorch(fresh_kernel_cache, monkeypatch, caplog, tokenizer):
@@ -110,7 +144,7 @@ def test_without_a_compiler_the_engine_attends_through_pytorch(fresh_kernel_cach
         caplog.at_level(logging.WARNING, logger="astrai"),
         InferenceEngine(model, tokenizer, n_pages=64, compile=False) as engine,
     ):
-        assert engine.runner.decode_kernel is None
+        assert engine.runner.paged_kernel is None
         text = engine.generate("Once upon a time", max_tokens=8)
     assert text == tokenizer.decode(expected, skip_special_tokens=True)
     assert "decode attention kernel unavailable" in caplog.text
