@@ -3,8 +3,8 @@
 The engine flattens every scheduled request into one row of tokens (``input_ids`` of shape ``[1, T]``), so the
 model's own layers (projections, RoPE, norms) run once for the whole batch. Only attention needs to know where
 each request's KV lives: the runner makes the step's ``PagedBatch`` current (``serving``) around the model call,
-and the hook hands each layer's query, key and value to one custom op, ``astrai::paged_attention``, which reads it.
-Being one opaque op per layer is what lets ``torch.compile`` take the rest of the model whole.
+and the hook hands each layer's query, key and value to one opaque op, ``astrai::paged_attention`` (``ops.py``),
+which reads it. Being one opaque op per layer is what lets ``torch.compile`` take the rest of the model whole.
 
 Per layer, the op first writes the new K/V into their slots, then lets each request attend to its own
 pages only. The C kernels of ``paged_kernel.py`` read every request's K and V rows where they lie in the pages (as
@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from astrai import ops
 from astrai.device import to_device
 from astrai.paged_kernel import PagedKernel
 
@@ -160,7 +161,7 @@ def paged_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if torch.compiler.is_compiling():
         return torch.ops.astrai.paged_attention(query, key, value, module.layer_idx, scale), None
-    # eager: the op's own body, without the custom-op dispatch (8% of the embedded model's engine thread in py-spy)
+    # eager: the op's own body, without the op's dispatch (8% of the embedded model's engine thread in py-spy)
     return _paged_attention(query, key, value, module.layer_idx, scale), None
 
 
@@ -247,16 +248,18 @@ def _paged_attention(
     return out.unsqueeze(0)
 
 
-@torch.library.custom_op("astrai::paged_attention", mutates_args=())
-def _paged_attention_op(
+def _paged_attention_shape(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float
 ) -> torch.Tensor:
-    return _paged_attention(query, key, value, layer_idx, scale)
-
-
-@_paged_attention_op.register_fake
-def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
     return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
+
+
+ops.define(
+    "paged_attention(Tensor query, Tensor key, Tensor value, int layer_idx, float scale) -> Tensor",
+    _paged_attention,
+    _paged_attention_shape,
+    "CompositeExplicitAutograd",  # every device: the CPU's kernels, or PyTorch's attention on a GPU
+)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)

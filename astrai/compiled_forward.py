@@ -56,7 +56,7 @@ from astrai.disk_cache import cache_dir, cpu_identity
 
 log = logging.getLogger("astrai")
 
-SOURCES = [Path(__file__), Path(__file__).with_name("attention.py"), Path(__file__).with_name("packed_linear.py")]
+SOURCES = [Path(__file__), *(Path(__file__).with_name(name) for name in ("attention.py", "packed_linear.py", "ops.py"))]
 ARTIFACT = "forward.bin"
 
 CompiledForward = Callable[[PreTrainedModel, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

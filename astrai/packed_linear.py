@@ -43,6 +43,8 @@ from collections import Counter
 import torch
 from torch import nn
 
+from astrai import ops
+
 BATCH_HINT = 8  # rows oneDNN tunes the packed layout for; any row count works
 # child names of the projections that one module applies to one input (transformers' Llama-style naming)
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -52,15 +54,25 @@ _packed_weights: dict[int, torch.Tensor] = {}  # handle -> packed weight, while 
 _next_handle = itertools.count()
 
 
-@torch.library.custom_op("astrai::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def _packed_product(
+    x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
     """``x @ W^T + bias`` with ``W`` the packed weight that ``handle`` names; ``out_features`` is its row count."""
     return torch.ops.mkldnn._linear_pointwise(x, _packed_weights[int(handle)], bias, "none", [], "")
 
 
-@packed_linear.register_fake
-def _(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def _packed_product_shape(
+    x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+packed_linear = ops.define(
+    "packed_linear(Tensor x, Tensor handle, Tensor? bias, int out_features) -> Tensor",
+    _packed_product,
+    _packed_product_shape,
+    "CPU",  # oneDNN's packed weights are CPU tensors
+)
 
 
 def packing_supported(dtype: torch.dtype) -> bool:
@@ -109,7 +121,7 @@ class FusedProduct(nn.Module):
     def product(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return packed_linear(x, self.handle, self.bias, sum(self.widths))
-        # eager: oneDNN directly, without the custom op's dispatch
+        # eager: oneDNN directly, without the op's dispatch
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def part(self, index: int, x: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,16 @@ def test_a_compiled_packed_product_reads_the_weight_its_handle_names():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_packed_product_op_agrees_with_its_fake(bias):
+    """The compiled graph allocates and checks each op's output from its fake (shape) function: opcheck compares the
+    two, and the op's registration (schema, fake, dispatch) with what torch expects of an opaque op."""
+    torch.manual_seed(1)
+    group = FusedProduct([nn.Linear(64, 48, bias=bias)], release=[False])
+    x = torch.randn(1, 5, 64)
+    torch.library.opcheck(torch.ops.astrai.packed_linear.default, (x, group.handle, group.bias, 48))
+
+
 class Attention(nn.Module):
     """The projections of a GQA attention block, named as transformers names them."""
 

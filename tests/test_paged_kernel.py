@@ -159,7 +159,7 @@ def test_the_attention_op_agrees_with_its_fake(groups, items):
     """The compiled graph checks each op's output against its fake's size and strides: through PyTorch attention
     (the path on CUDA, or with attention_kernel=False), decodes of heads without query groups gave a view with the
     heads' stride, which the graph refused on an H200 (opcheck finds the same on the CPU)."""
-    from astrai.attention import _paged_attention_op, build_paged_batch, serving
+    from astrai.attention import build_paged_batch, serving
 
     kv_heads, head_dim, rows = 2, 8, sum(count for _, _, count in items)
     kv_cache = [(torch.randn(kv_heads, 16, head_dim), torch.randn(kv_heads, 16, head_dim))]
@@ -167,4 +167,4 @@ def test_the_attention_op_agrees_with_its_fake(groups, items):
     query = torch.randn(1, kv_heads * groups, rows, head_dim)
     key, value = torch.randn(1, kv_heads, rows, head_dim), torch.randn(1, kv_heads, rows, head_dim)
     with serving(batch):
-        torch.library.opcheck(_paged_attention_op, (query, key, value, 0, head_dim**-0.5))
+        torch.library.opcheck(torch.ops.astrai.paged_attention.default, (query, key, value, 0, head_dim**-0.5))
