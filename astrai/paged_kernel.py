@@ -210,7 +210,7 @@ def load_paged_kernel() -> PagedKernel | None:
         return PagedKernel(ctypes.CDLL(str(_build())))
     except Exception as error:  # no compiler, a read-only cache, an unknown CPU: PyTorch attends instead
         detail = error.stderr.decode(errors="replace") if isinstance(error, subprocess.CalledProcessError) else error
-        log.warning("decode attention kernel unavailable (%s); attending through PyTorch", detail)
+        log.warning("attention kernels unavailable (%s); attending through PyTorch", detail)
         return None
 
 
