@@ -4,9 +4,9 @@ A compiled forward calls each op as one opaque node: inductor compiles the model
 through the dispatcher to the op's Python kernel. How an op is registered decides that call's fixed cost, paid 31
 times a step on the embedded model (25 products, 6 attentions) and 151 times on a SmolLM2-135M-shaped one:
 
-- ``torch.library.custom_op`` wraps the kernel in its own Python layers: a packed product of 8 rows cost 10 us
-  more through it than called directly (one run, 2-core AMD EPYC, no AMX);
-- ``Library.define`` and ``Library.impl`` hand the dispatcher the kernel itself: 6 us more. A compiled float32
+- ``torch.library.custom_op`` wraps the kernel in its own Python layers: a packed product of 8 rows cost 9.9-10.3
+  us more through it than called directly (3 rounds, 2-core AMD EPYC, no AMX);
+- ``Library.define`` and ``Library.impl`` hand the dispatcher the kernel itself: 6.2-6.3 us more. A compiled float32
   decode step of the embedded model (8 requests at 300 tokens) was 1.023-1.034x faster with the product
   registered this way (3 rounds of 200 alternated steps, one process, same CPU; docs/benchmarks.md).
 

@@ -140,10 +140,7 @@ class PagedKernel:
             scale,
             torch.get_num_threads(),
         )
-        if status == -2:
-            raise MemoryError("the decode kernel could not allocate its per-thread scores")
-        if status != 0:
-            raise RuntimeError(f"the decode kernel refused {heads // kv_heads} groups of head size {head_dim}")
+        _check("decode", status, heads // kv_heads, head_dim)
         return out
 
     def prefill(
@@ -187,10 +184,15 @@ class PagedKernel:
             scale,
             torch.get_num_threads(),
         )
-        if status == -2:
-            raise MemoryError("the prefill kernel could not allocate its per-thread buffers")
-        if status != 0:
-            raise RuntimeError(f"the prefill kernel refused {heads // kv_heads} groups of head size {head_dim}")
+        _check("prefill", status, heads // kv_heads, head_dim)
+
+
+def _check(kernel: str, status: int, groups: int, head_dim: int) -> None:
+    """Raise what a kernel's status says: -2, out of memory; any other non-zero, a shape it does not take."""
+    if status == -2:
+        raise MemoryError(f"the {kernel} kernel could not allocate its per-thread buffers")
+    if status != 0:
+        raise RuntimeError(f"the {kernel} kernel refused {groups} groups of head size {head_dim}")
 
 
 def _rows_in_place(rows: torch.Tensor | None) -> torch.Tensor | None:

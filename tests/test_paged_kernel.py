@@ -27,6 +27,18 @@ def reference(query, k_cache, v_cache, slots, lengths, scale):
     return torch.stack(out).to(query.dtype)
 
 
+def random_caches(kv_heads, head_dim, pages, page_size, dtype):
+    """K and V caches [KVH, pages * page_size, D] of random rows."""
+    return tuple(torch.randn(kv_heads, pages * page_size, head_dim, dtype=dtype) for _ in "kv")
+
+
+@pytest.fixture
+def kernel():
+    built = load_paged_kernel()
+    assert built is not None, "gcc is on this machine: the kernels must build"
+    return built
+
+
 @pytest.fixture(params=[1, 3])
 def threads(request):
     """The kernel splits its (request, KV head) pairs over torch's intra-op threads: one, and more than the pairs
@@ -40,13 +52,10 @@ def threads(request):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("kv_heads", "groups", "head_dim"), [(3, 3, 64), (2, 1, 32), (1, 8, 128), (2, 4, 32)])
 @pytest.mark.parametrize("writes", [False, True], ids=["attends", "writes-then-attends"])
-def test_kernel_matches_pytorch_attention(dtype, kv_heads, groups, head_dim, writes, threads):
-    kernel = load_paged_kernel()
-    assert kernel is not None, "gcc is on this machine: the kernel must build"
+def test_kernel_matches_pytorch_attention(kernel, dtype, kv_heads, groups, head_dim, writes, threads):
     torch.manual_seed(head_dim)
     page_size, pages = 16, 60
-    k_cache = torch.randn(kv_heads, pages * page_size, head_dim, dtype=dtype)
-    v_cache = torch.randn(kv_heads, pages * page_size, head_dim, dtype=dtype)
+    k_cache, v_cache = random_caches(kv_heads, head_dim, pages, page_size, dtype)
     lengths = torch.tensor([1, 37, 150, 16, 90])
     order = torch.randperm(pages)  # requests' pages scattered over the pool, as the allocator leaves them
     tables = torch.stack([order[i * 10 : (i + 1) * 10] for i in range(len(lengths))])
@@ -73,15 +82,12 @@ def test_kernel_matches_pytorch_attention(dtype, kv_heads, groups, head_dim, wri
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("kv_heads", "groups", "head_dim"), [(3, 3, 64), (2, 1, 32), (1, 8, 128), (2, 4, 16)])
-def test_prefill_kernel_matches_causal_pytorch_attention(dtype, kv_heads, groups, head_dim, threads):
+def test_prefill_kernel_matches_causal_pytorch_attention(kernel, dtype, kv_heads, groups, head_dim, threads):
     """Chunks of every shape the engine makes: a prompt from scratch, a suffix after a cached prefix (a hit), a
     later chunk of a long prompt, one shorter than a query block and one longer than several, ending mid-page."""
-    kernel = load_paged_kernel()
-    assert kernel is not None, "gcc is on this machine: the kernel must build"
     torch.manual_seed(head_dim)
     page_size, pages = 16, 100
-    k_cache = torch.randn(kv_heads, pages * page_size, head_dim, dtype=dtype)
-    v_cache = torch.randn(kv_heads, pages * page_size, head_dim, dtype=dtype)
+    k_cache, v_cache = random_caches(kv_heads, head_dim, pages, page_size, dtype)
     chunks = [(2, 0), (37, 0), (20, 256), (5, 3), (70, 33)]  # (tokens computed now, tokens computed before)
     order = torch.randperm(pages)
     tables = torch.stack([order[i * 20 : (i + 1) * 20] for i in range(len(chunks))])
