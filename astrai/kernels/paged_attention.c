@@ -18,10 +18,11 @@
  * requests at 301 tokens (4 query heads per KV head, head_dim 32) on a 2-core AMD EPYC, this one 34-35 (the best
  * and median of 5 x 2,000 calls, one run each).
  *
- * The (request, KV head) pairs are independent and split over ``threads`` OpenMP threads. Built with -fopenmp, the
- * library needs libgomp.so.1, which the loader resolves to the one torch already loaded (torch is imported first,
- * and its bundled runtime carries that name): the kernel's threads are torch's own intra-op pool, not a second
- * pool competing for the cores. Each thread writes only its pairs' rows of ``out`` and of the caches.
+ * The (request, KV head) pairs are independent and split over ``threads`` OpenMP threads, balanced by their
+ * context lengths (plan_pairs). Built with -fopenmp, the library needs libgomp.so.1, which the loader resolves to
+ * the one torch already loaded (torch is imported first, and its bundled runtime carries that name): the kernel's
+ * threads are torch's own intra-op pool, not a second pool competing for the cores. Each thread writes only its
+ * pairs' rows of ``out`` and of the caches.
  *
  * Layouts: q element (b, head, d) at q[b * q_row + head * q_head + d], likewise the new K and V (per KV head);
  * k_cache and v_cache [KVH, S, D] contiguous; pages [B, max_pages] holding each request's pages in position order;
@@ -30,6 +31,7 @@
  * use the vector math library); nothing here relies on infinities or NaNs.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -78,6 +80,33 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as tor
         for (int64_t slot = base; l < end; l++, slot++) BODY                                                      \
     }
 
+/* Which thread attends each (request, KV head) pair: pairs are numbered by request, longest context first (item i
+ * is request order[i / kv_heads], KV head i % kv_heads), and each goes to the thread with the least work so far
+ * (longest processing time first). Why: a pair's cost grows with its context, and a static split of the pairs in
+ * request order gave one thread most of the long ones: on W2's decode (8 requests of 56 to 340 tokens, 2 threads)
+ * the other thread waited for it, and a layer took 1.23-1.31x as long as with this plan, where equal contexts
+ * (W1's) took 0.995-1.006x (``python -m benchmarks.kernel_ab``, 3 rounds, 2-core AMD EPYC, no AMX). Handing the
+ * pairs out one at a time instead (OpenMP's dynamic schedule) balanced them too, but cost 2-8% where the contexts
+ * are equal (one run). Returns the order, followed by the owners, in one allocation the caller frees; or NULL. */
+static int64_t *plan_pairs(const int64_t *lengths, int64_t batch, int64_t kv_heads, int threads) {
+    int64_t *order = malloc(sizeof(int64_t) * (batch + batch * kv_heads + threads));
+    if (order == NULL) return NULL;
+    int64_t *owner = order + batch, *load = owner + batch * kv_heads;
+    for (int64_t b = 0; b < batch; b++) { /* an insertion sort: a batch is a few dozen requests */
+        int64_t at = b;
+        for (; at > 0 && lengths[order[at - 1]] < lengths[b]; at--) order[at] = order[at - 1];
+        order[at] = b;
+    }
+    for (int t = 0; t < threads; t++) load[t] = 0;
+    for (int64_t i = 0; i < batch * kv_heads; i++) {
+        int least = 0;
+        for (int t = 1; t < threads; t++) least = load[t] < load[least] ? t : least;
+        owner[i] = least;
+        load[least] += lengths[order[i / kv_heads]] + 16; /* + a pair's fixed cost, in keys */
+    }
+    return order;
+}
+
 #define DEFINE_DECODE(NAME, T, LOADV, STORE)                                                                       \
     int NAME(const T *q, int64_t q_row, int64_t q_head, const T *k_new, int64_t k_row, int64_t k_head,           \
              const T *v_new, int64_t v_row, int64_t v_head, T *k_cache, T *v_cache, const int64_t *pages,        \
@@ -87,9 +116,14 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as tor
         int64_t max_len = 0;                                                                                      \
         for (int64_t b = 0; b < batch; b++) max_len = lengths[b] > max_len ? lengths[b] : max_len;              \
         const int64_t chunks = head_dim / LANES;                                                                  \
+        int64_t *order = plan_pairs(lengths, batch, kv_heads, threads);                                           \
+        if (order == NULL) return -2;                                                                             \
+        const int64_t *owner = order + batch;                                                                     \
         int failed = 0;                                                                                           \
         _Pragma("omp parallel num_threads(threads) reduction(|: failed)")                                         \
         {                                                                                                         \
+        /* OpenMP may give fewer threads than asked: then each takes the owners equal to it modulo the team */  \
+        const int team = omp_get_num_threads(), me = omp_get_thread_num();                                        \
         if (k_new != NULL) { /* the new rows first, every one of them: the loop ends in a barrier */             \
             _Pragma("omp for collapse(2) schedule(static)")                                                       \
             for (int64_t b = 0; b < batch; b++) {                                                                 \
@@ -105,9 +139,10 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as tor
         vec qv[MAX_GROUPS][MAX_HEAD_DIM / LANES];                                                                 \
         float *scores = malloc(sizeof(float) * groups * max_len); /* this thread's G x L scores */                \
         if (scores == NULL) failed = 1;                                                                           \
-        _Pragma("omp for collapse(2) schedule(static)")                                                           \
-        for (int64_t b = 0; b < batch; b++) {                                                                     \
-            for (int64_t h = 0; h < kv_heads; h++) {                                                              \
+        for (int64_t item = 0; item < batch * kv_heads; item++) {                                                 \
+            if (owner[item] % team != me) continue;                                                               \
+            {                                                                                                     \
+                const int64_t b = order[item / kv_heads], h = item % kv_heads;                                    \
                 if (scores == NULL) continue;                                                                     \
                 const int64_t *table = pages + b * max_pages;                                                     \
                 const int64_t len = lengths[b];                                                                   \
@@ -164,6 +199,7 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as tor
         }                                                                                                         \
         free(scores);                                                                                             \
         }                                                                                                         \
+        free(order);                                                                                              \
         return failed ? -2 : 0;                                                                                   \
     }
 

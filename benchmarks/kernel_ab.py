@@ -1,0 +1,109 @@
+"""The C attention kernels of one git revision against the working tree's: ``python -m benchmarks.kernel_ab
+[--base HEAD~1] [--rounds 3] [--calls 400]``.
+
+Both sources are built as ``astrai/paged_kernel.py`` builds them (same compiler flags) into a temporary folder and
+loaded into this process. Each case is one layer's call on random caches: decode for a batch of 8 requests of
+unequal contexts (W2's lengths after about 40 generated tokens), of equal ones (W1's) and a single request, on the
+embedded model's head layout (2 KV heads of 4 query heads, head size 32) in both dtypes and a SmolLM2-135M-shaped
+one (3 KV heads of 3, head size 64) in bfloat16; then prefill (prompts of 16 to 300 tokens, W2's, from nothing).
+The two builds take turns call after call; each round prints both medians and their ratio (base over the tree's:
+above 1, the tree is faster). The outputs must be equal, bit for bit, or the run stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from astrai import paged_kernel
+from astrai.paged_kernel import PagedKernel
+from benchmarks.host_cpu import cpu_name
+
+PAGE_SIZE = 16
+W2_LENGTHS = [16 + (300 - 16) * i // 7 for i in range(8)]
+LAYOUTS = [((2, 4, 32), torch.bfloat16), ((2, 4, 32), torch.float32), ((3, 3, 64), torch.bfloat16)]
+
+
+def build(source: bytes, folder: Path, name: str) -> PagedKernel:
+    path = folder / f"{name}.c"
+    path.write_bytes(source)
+    built = folder / f"{name}.so"
+    subprocess.run(["gcc", *paged_kernel.FLAGS, "-o", str(built), str(path), "-lm"], check=True)
+    return PagedKernel(ctypes.CDLL(str(built)))
+
+
+def caches(layout: tuple[int, int, int], dtype: torch.dtype, lengths: list[int]):
+    kv_heads, groups, head_dim = layout
+    width = max(-(-n // PAGE_SIZE) for n in lengths)
+    k_cache = torch.randn(kv_heads, (len(lengths) * width + 1) * PAGE_SIZE, head_dim).to(dtype)
+    pages = torch.randperm(len(lengths) * width)[: len(lengths) * width].view(len(lengths), width) + 1
+    return k_cache, torch.randn_like(k_cache), pages.contiguous(), kv_heads * groups
+
+
+def decode_call(layout: tuple[int, int, int], dtype: torch.dtype, lengths: list[int]):
+    k_cache, v_cache, pages, heads = caches(layout, dtype, lengths)
+    query = torch.randn(1, heads, len(lengths), layout[2]).to(dtype)
+    lengths_t = torch.tensor(lengths)
+    return lambda k: k.attend(query, k_cache, v_cache, pages, lengths_t, PAGE_SIZE, 0.125)
+
+
+def prefill_call(layout: tuple[int, int, int], dtype: torch.dtype, lengths: list[int]):
+    k_cache, v_cache, pages, heads = caches(layout, dtype, lengths)
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    spans = torch.tensor([[start, n, 0] for start, n in zip(starts, lengths, strict=True)])
+    query = torch.randn(1, heads, sum(lengths), layout[2]).to(dtype)
+
+    def call(kernel: PagedKernel) -> torch.Tensor:
+        out = torch.empty(sum(lengths), heads, layout[2], dtype=dtype)
+        kernel.prefill(query, k_cache, v_cache, pages, spans, PAGE_SIZE, 0.125, out)
+        return out
+
+    return call
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", default="HEAD~1", help="the git revision to compare the working tree with")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=400, help="calls per build per case and round")
+    args = parser.parse_args()
+    relative = paged_kernel.SOURCE.relative_to(Path.cwd().resolve())
+    base_source = subprocess.run(["git", "show", f"{args.base}:{relative}"], capture_output=True, check=True).stdout
+    torch.manual_seed(0)
+    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads; base {args.base} / working tree")
+    with tempfile.TemporaryDirectory() as folder:
+        tree_source = relative.read_bytes()
+        kernels = {"base": build(base_source, Path(folder), "base"), "tree": build(tree_source, Path(folder), "tree")}
+        cases = []
+        for layout, dtype in LAYOUTS:
+            name = f"{layout} {str(dtype).removeprefix('torch.')}"
+            cases += [
+                (f"decode W2 {name}", decode_call(layout, dtype, [n + 40 for n in W2_LENGTHS])),
+                (f"decode W1 {name}", decode_call(layout, dtype, [320] * 8)),
+                (f"decode one {name}", decode_call(layout, dtype, [500])),
+                (f"prefill W2 {name}", prefill_call(layout, dtype, W2_LENGTHS)),
+            ]
+        for name, call in cases:
+            outputs = [call(kernel) for kernel in kernels.values()]
+            if not torch.equal(*outputs):
+                raise SystemExit(f"{name}: the two builds disagree")
+            for round_ in range(1, args.rounds + 1):
+                times: dict[str, list[float]] = {key: [] for key in kernels}
+                for _ in range(args.calls):
+                    for key, kernel in kernels.items():
+                        started = time.perf_counter()
+                        call(kernel)
+                        times[key].append(time.perf_counter() - started)
+                base, tree = (statistics.median(times[key]) * 1e6 for key in kernels)
+                print(f"{name}, round {round_}: base {base:.1f} us, tree {tree:.1f} us, base/tree {base / tree:.3f}")
+
+
+if __name__ == "__main__":
+    main()
