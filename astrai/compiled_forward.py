@@ -51,7 +51,7 @@ import transformers
 from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 from transformers import PreTrainedModel
 
-from astrai import paged_kernel
+from astrai import native
 from astrai.disk_cache import cache_dir, cpu_identity
 
 log = logging.getLogger("astrai")
@@ -198,9 +198,9 @@ def _key_parts(model: PreTrainedModel) -> Iterator[str | bytes]:
     yield repr(model)
     for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
         yield f"{name} {tuple(tensor.shape)} {tensor.dtype}"
-    for source in [*SOURCES, paged_kernel.SOURCE]:
+    for source in [*SOURCES, *native.SOURCES.values()]:
         yield source.read_bytes()
-    yield " ".join(paged_kernel.FLAGS)
+    yield " ".join(native.FLAGS)
 
 
 def _compile(model: PreTrainedModel) -> torch._dynamo.aot_compile.AOTCompiledFunction:

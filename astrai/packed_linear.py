@@ -1,7 +1,7 @@
 """Linear layers served from weights laid out once for speed: sibling projections fused, and packed for oneDNN.
 
 Why: a decode step multiplies a handful of rows (one per request) by every weight matrix of the model. Such
-skinny products are bound by streaming the weights and by each call's fixed cost, so two things pay:
+skinny products are bound by streaming the weights and by each call's fixed cost, so three things pay:
 
 - **Packing.** torch's default CPU GEMM re-lays a weight out on every call and leaves most of the memory bandwidth
   unused; oneDNN with a weight packed ahead of time streams it. On a 2-core machine (2026-12-02; that run did not
@@ -19,6 +19,9 @@ skinny products are bound by streaming the weights and by each call's fixed cost
   layers); here the fusion is in the weights only: transformers' modules still call ``q_proj``, ``k_proj`` and
   ``v_proj`` one by one, and the first call computes the whole group's product, which the others then take their
   columns of.
+- **Few rows, no call overhead.** A product of few rows (a decode step's) goes to the C kernel of
+  ``skinny_linear.py``, which reads a second copy of the weight laid out for it: torch's call into oneDNN costs more
+  than such a product. Products of more rows (prefills) stay oneDNN's.
 
 The model's architecture is untouched: each ``nn.Linear`` module is swapped for a ``PackedLinear`` that computes
 the same product, and ``unpack_linears`` puts the original modules, with their exact weights, back. The two oneDNN
@@ -44,13 +47,14 @@ import torch
 from torch import nn
 
 from astrai import ops
+from astrai.skinny_linear import SKINNY_ROWS, load_skinny_kernel
 
 BATCH_HINT = 8  # rows oneDNN tunes the packed layout for; any row count works
 # child names of the projections that one module applies to one input (transformers' Llama-style naming)
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-_packed_weights: dict[int, torch.Tensor] = {}  # handle -> packed weight, while its FusedProduct lives
+_packed_weights: dict[int, FusedProduct] = {}  # handle -> its layer's weights, while that layer lives
 _next_handle = itertools.count()
 
 
@@ -58,7 +62,7 @@ def _packed_product(
     x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
     """``x @ W^T + bias`` with ``W`` the packed weight that ``handle`` names; ``out_features`` is its row count."""
-    return torch.ops.mkldnn._linear_pointwise(x, _packed_weights[int(handle)], bias, "none", [], "")
+    return _packed_weights[int(handle)].multiply(x, bias, out_features)
 
 
 def _packed_product_shape(
@@ -105,8 +109,13 @@ class FusedProduct(nn.Module):
         # buffers, so that a compiled graph takes them as inputs; not persistent: the state_dict is unchanged
         self.register_buffer("bias", bias, persistent=False)
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)  # not a buffer (above)
+        # the same weight laid out for products of few rows (decodes), where the C kernel builds; not a buffer
+        # either: the graph reaches it through the handle, as the packed one
+        skinny = load_skinny_kernel()
+        self.skinny = skinny if skinny is not None and skinny.supports(weight.dtype, weight.shape[1]) else None
+        self.skinny_weight = None if self.skinny is None else self.skinny.lay_out(weight)
         handle = next(_next_handle)
-        _packed_weights[handle] = self.packed_weight
+        _packed_weights[handle] = weakref.proxy(self)
         weakref.finalize(self, _packed_weights.pop, handle, None)  # the table never outlives the layer
         self.register_buffer("handle", torch.tensor(handle), persistent=False)
         self.widths = [linear.out_features for linear in linears]
@@ -121,8 +130,13 @@ class FusedProduct(nn.Module):
     def product(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return packed_linear(x, self.handle, self.bias, sum(self.widths))
-        # eager: oneDNN directly, without the op's dispatch
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return self.multiply(x, self.bias, sum(self.widths))  # eager: without the op's dispatch
+
+    def multiply(self, x: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+        """The product itself: few rows through the skinny kernel where it serves this weight, else oneDNN."""
+        if self.skinny is not None and x.numel() <= SKINNY_ROWS * x.shape[-1]:
+            return self.skinny.product(x, self.skinny_weight, bias, out_features)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
 
     def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
         if len(self.widths) == 1:

@@ -18,32 +18,23 @@ it shares torch's runtime): whole eager decode steps of the SmolLM2-135M-shaped 
 float32 and 1.06-1.09x in bfloat16 than with the decode kernel on one thread (2 threads, 3 rounds of 20
 interleaved steps, docs/benchmarks.md).
 
-It is plain C, no PyTorch headers: ``gcc`` builds it in about a second, into ``~/.cache/astrai/kernels`` under a
-name that hashes the source, the flags and this CPU's model and flags (``-march=native``; ``disk_cache.py``).
-Where there is no compiler, or the build or load fails, ``load_paged_kernel`` returns None and the engine attends
-through PyTorch as before: the kernels are only a speed-up.
+``native.py`` builds it once per machine. Where there is no compiler, or the build or load fails,
+``load_paged_kernel`` returns None and the engine attends through PyTorch as before: the kernels are only a speed-up.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
 import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-from astrai.disk_cache import cache_dir, cpu_identity
+from astrai import native
 
 log = logging.getLogger("astrai")
 
-SOURCE = Path(__file__).with_name("kernels") / "paged_attention.c"
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # the suffixes of the C functions
 MAX_GROUPS, MAX_HEAD_DIM = 16, 256  # the C code's fixed buffers (and it takes D in whole 16-float vectors)
 
@@ -209,26 +200,8 @@ def _rows(rows: torch.Tensor | None) -> tuple[int | None, int, int]:
 def load_paged_kernel() -> PagedKernel | None:
     """The kernel, built if this machine has not built it yet; None (logged once) where that is not possible."""
     try:
-        return PagedKernel(ctypes.CDLL(str(_build())))
+        return PagedKernel(ctypes.CDLL(str(native.build("paged_attention"))))
     except Exception as error:  # no compiler, a read-only cache, an unknown CPU: PyTorch attends instead
         detail = error.stderr.decode(errors="replace") if isinstance(error, subprocess.CalledProcessError) else error
         log.warning("attention kernels unavailable (%s); attending through PyTorch", detail)
         return None
-
-
-def _build() -> Path:
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(FLAGS).encode() + cpu_identity().encode()).hexdigest()[:16]
-    cache = cache_dir("kernels")
-    library = cache / f"paged_attention-{key}.so"
-    if library.exists():
-        return library
-    compiler = shutil.which(os.environ.get("CC", "gcc"))
-    if compiler is None:
-        raise RuntimeError("no C compiler (gcc) on PATH")
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as scratch:  # built aside, then renamed: never half a library
-        built = Path(scratch) / library.name
-        subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"], check=True, capture_output=True)
-        os.replace(built, library)
-    return library

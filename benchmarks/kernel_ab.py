@@ -1,7 +1,7 @@
 """The C attention kernels of one git revision against the working tree's: ``python -m benchmarks.kernel_ab
 [--base HEAD~1] [--rounds 3] [--calls 400]``.
 
-Both sources are built as ``astrai/paged_kernel.py`` builds them (same compiler flags) into a temporary folder and
+Both sources are built as ``astrai/native.py`` builds them (same compiler flags) into a temporary folder and
 loaded into this process. Each case is one layer's call on random caches: decode for a batch of 8 requests of
 unequal contexts (W2's lengths after about 40 generated tokens), of equal ones (W1's) and a single request, on the
 embedded model's head layout (2 KV heads of 4 query heads, head size 32) in both dtypes and a SmolLM2-135M-shaped
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from astrai import paged_kernel
+from astrai import native
 from astrai.paged_kernel import PagedKernel
 from benchmarks.host_cpu import cpu_name
 
@@ -35,7 +35,7 @@ def build(source: bytes, folder: Path, name: str) -> PagedKernel:
     path = folder / f"{name}.c"
     path.write_bytes(source)
     built = folder / f"{name}.so"
-    subprocess.run(["gcc", *paged_kernel.FLAGS, "-o", str(built), str(path), "-lm"], check=True)
+    subprocess.run(["gcc", *native.FLAGS, "-o", str(built), str(path), "-lm"], check=True)
     return PagedKernel(ctypes.CDLL(str(built)))
 
 
@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=400, help="calls per build per case and round")
     args = parser.parse_args()
-    relative = paged_kernel.SOURCE.relative_to(Path.cwd().resolve())
+    relative = native.SOURCES["paged_attention"].relative_to(Path.cwd().resolve())
     base_source = subprocess.run(["git", "show", f"{args.base}:{relative}"], capture_output=True, check=True).stdout
     torch.manual_seed(0)
     print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads; base {args.base} / working tree")

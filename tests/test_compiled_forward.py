@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch._dynamo.aot_compile import AOTCompiledFunction
 
-from astrai import InferenceEngine, compiled_forward, packed_linear, paged_kernel
+from astrai import InferenceEngine, compiled_forward, native, packed_linear
 from astrai.compiled_forward import ARTIFACT, cache_key
 from astrai.packed_linear import pack_linears
 from tests.support import compiled_run
@@ -126,9 +126,12 @@ def test_the_key_covers_what_the_compiled_graph_depends_on(monkeypatch, tokenize
         "the torch version": lambda patch: patch.setattr(torch, "__version__", "0.0"),
         "the CPU": lambda patch: patch.setattr(compiled_forward, "cpu_identity", lambda: "another CPU"),
         "the thread count": lambda patch: patch.setattr(torch, "get_num_threads", lambda: 97),
-        "the C kernel's flags": lambda patch: patch.setattr(paged_kernel, "FLAGS", [*paged_kernel.FLAGS, "-O2"]),
-        "the C kernel's source": lambda patch: patch.setattr(paged_kernel, "SOURCE", edited(paged_kernel.SOURCE)),
+        "the C kernels' flags": lambda patch: patch.setattr(native, "FLAGS", [*native.FLAGS, "-O2"]),
     }
+    for name, source in native.SOURCES.items():
+        changes[f"{name}.c's source"] = lambda patch, name=name, source=source: patch.setitem(
+            native.SOURCES, name, edited(source)
+        )
     for i, source in enumerate(compiled_forward.SOURCES):
         sources = [*compiled_forward.SOURCES[:i], edited(source), *compiled_forward.SOURCES[i + 1 :]]
         changes[f"{source.name}'s source"] = lambda patch, sources=sources: patch.setattr(

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from astrai import InferenceEngine
-from astrai.paged_kernel import _build, load_paged_kernel
+from astrai import InferenceEngine, native
+from astrai.paged_kernel import load_paged_kernel
 from tests.support.tiny_models import reference_generate
 
 
@@ -116,7 +116,9 @@ def test_kernel_runs_on_torchs_own_openmp_runtime():
     """The kernel's parallel loop uses the OpenMP runtime torch already loaded (so the same worker pool), not a
     second one, whose workers would fight torch's for the cores."""
     assert load_paged_kernel() is not None
-    symbols = subprocess.run(["nm", "-D", "--undefined-only", str(_build())], capture_output=True, text=True)
+    symbols = subprocess.run(
+        ["nm", "-D", "--undefined-only", str(native.build("paged_attention"))], capture_output=True, text=True
+    )
     assert "GOMP_parallel" in symbols.stdout, "the kernel was built without OpenMP"
     runtimes = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libgomp" in line}
     assert len(runtimes) == 1, runtimes

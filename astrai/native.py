@@ -1,0 +1,41 @@
+"""Builds astrai's C kernels (``kernels/*.c``) for this machine, once, with the system's C compiler.
+
+They are plain C, no PyTorch headers: ``gcc`` builds each in about a second, into ``~/.cache/astrai/kernels`` under
+a name that hashes the source, the flags and this CPU's model and flags (``-march=native``; ``disk_cache.py``).
+Each is built with OpenMP, whose runtime the loader resolves to the one torch already loaded (torch is imported
+first, and its bundled libgomp carries the name the library asks for): the kernels run on torch's own intra-op pool.
+A caller that cannot build (no compiler, a read-only cache) gets the exception and serves without the kernel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from astrai.disk_cache import cache_dir, cpu_identity
+
+SOURCES = {name: Path(__file__).with_name("kernels") / f"{name}.c" for name in ("paged_attention", "skinny_linear")}
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+
+
+def build(name: str) -> Path:
+    """The shared library of kernel ``name`` (a key of ``SOURCES``), built now if this machine has not built it."""
+    source = SOURCES[name]
+    key = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode() + cpu_identity().encode()).hexdigest()[:16]
+    cache = cache_dir("kernels")
+    library = cache / f"{name}-{key}.so"
+    if library.exists():
+        return library
+    compiler = shutil.which(os.environ.get("CC", "gcc"))
+    if compiler is None:
+        raise RuntimeError("no C compiler (gcc) on PATH")
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as scratch:  # built aside, then renamed: never half a library
+        built = Path(scratch) / library.name
+        subprocess.run([compiler, *FLAGS, "-o", str(built), str(source), "-lm"], check=True, capture_output=True)
+        os.replace(built, library)
+    return library

@@ -1,0 +1,111 @@
+"""Products of a step's few rows by a packed layer's weight, in C (``kernels/skinny_linear.c``), beside oneDNN.
+
+A packed layer (``packed_linear.py``) multiplies through oneDNN, and torch's call into it costs more than a decode
+step's product itself: in one profiled run of the embedded model's bfloat16 decode step (8 rows), its 25 products
+took 0.33 ms inside oneDNN (``ONEDNN_VERBOSE``) and about 0.8 ms as torch's calls. This kernel has no such cost: it
+reads a second copy of the weight, laid out once for it, in a loop of vector multiply-adds (AVX512-BF16 dot products
+in bfloat16) on torch's OpenMP threads. Each layer keeps its oneDNN weight too, for products of more rows
+(prefills), where oneDNN's blocked GEMM is the faster: the weights are held twice, the price of the speed.
+
+Measured on a 2-core AMD EPYC with AVX512-BF16, no AMX (``python -m benchmarks.skinny_ab --model M --dtype D
+--shapes``; 3 rounds of 100 decode steps of 8 requests at 300 tokens, the kernel switched on and off step by step
+in one runner, oneDNN's time over the kernel's):
+
+- whole decode steps: embedded model 1.273-1.310x in bfloat16, 1.284x in float32; SmolLM2-135M-shaped model
+  1.197-1.241x in bfloat16, 1.288-1.302x in float32;
+- each weight alone (one run each), at 8 rows: 1.03-1.78x on the embedded model, 1.01-1.41x on the
+  SmolLM2-shaped one; at ``SKINNY_ROWS`` (16) rows 0.96-1.60x, oneDNN ahead only on the widest float32 weights; at
+  32 rows oneDNN was ahead on more of them. The SmolLM2-shaped LM head (49,152 x 576) in bfloat16 for one row is
+  the one case below 16 rows where oneDNN led (0.89x): streaming its 56 MB, it reads memory faster than this loop.
+
+Where the kernel cannot be built (no compiler), ``load_skinny_kernel`` says so and every product stays oneDNN's; so
+does every bfloat16 product where the CPU lacks AVX512-BF16 (``supports``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import subprocess
+
+import torch
+
+from astrai import native
+
+log = logging.getLogger("astrai")
+
+SKINNY_ROWS = 16  # the most rows a product takes through this kernel; more go to oneDNN
+BLOCK = 16  # output columns per block of the laid-out weight (the C code's LANES)
+DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # the suffixes of the C functions
+
+
+class SkinnyKernel:
+    """``lay_out`` a weight once, then ``product`` any few rows by it."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self.functions = {}
+        for dtype, suffix in DTYPES.items():
+            function = getattr(library, f"skinny_linear_{suffix}")
+            function.restype = ctypes.c_int
+            function.argtypes = [
+                ctypes.c_void_p,  # x
+                ctypes.c_int64,  # its row stride
+                *[ctypes.c_void_p] * 3,  # weight (laid out), bias, out
+                *[ctypes.c_int64] * 4,  # out's row stride, rows, out_features, in_features
+                ctypes.c_int,  # threads
+            ]
+            self.functions[dtype] = function
+        library.skinny_bfloat16_dot.restype = ctypes.c_int
+        self.bfloat16_dot = bool(library.skinny_bfloat16_dot())
+
+    def supports(self, dtype: torch.dtype, in_features: int) -> bool:
+        if dtype == torch.bfloat16:
+            return self.bfloat16_dot and in_features % 2 == 0  # the C code takes k in pairs
+        return dtype == torch.float32
+
+    @staticmethod
+    def lay_out(weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` [N, K] as the C code reads it (its layouts: see the C file), N padded with zero rows."""
+        out_features, in_features = weight.shape
+        padded = -(-out_features // BLOCK) * BLOCK
+        weight = torch.nn.functional.pad(weight.detach(), (0, 0, 0, padded - out_features))
+        if weight.dtype == torch.bfloat16:  # [N/16, 16, K/2, 2] -> [N/16, K/2, 16, 2]
+            return weight.view(padded // BLOCK, BLOCK, in_features // 2, 2).transpose(1, 2).contiguous()
+        return weight.view(padded // BLOCK, BLOCK, in_features).transpose(1, 2).contiguous()
+
+    def product(
+        self, x: torch.Tensor, laid_out: torch.Tensor, bias: torch.Tensor | None, out_features: int
+    ) -> torch.Tensor:
+        """``x @ W^T + bias``, ``W`` [out_features, K] as ``lay_out`` returned it; x [..., K] of W's dtype."""
+        in_features = x.shape[-1]
+        rows = x.reshape(-1, in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty((rows.shape[0], out_features), dtype=x.dtype)
+        status = self.functions[x.dtype](
+            rows.data_ptr(),
+            rows.stride(0),
+            laid_out.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            out_features,
+            rows.shape[0],
+            out_features,
+            in_features,
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise RuntimeError(f"the skinny product refused in_features={in_features} in {x.dtype}")
+        return out.view(*x.shape[:-1], out_features)
+
+
+@functools.cache
+def load_skinny_kernel() -> SkinnyKernel | None:
+    """The kernel, built if this machine has not built it yet; None (logged once) where that is not possible."""
+    try:
+        return SkinnyKernel(ctypes.CDLL(str(native.build("skinny_linear"))))
+    except Exception as error:  # no compiler, a read-only cache: oneDNN computes every product
+        detail = error.stderr.decode(errors="replace") if isinstance(error, subprocess.CalledProcessError) else error
+        log.warning("skinny product kernel unavailable (%s); every product goes through oneDNN", detail)
+        return None
