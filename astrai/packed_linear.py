@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from astrai import ops
-from astrai.skinny_linear import SKINNY_ROWS, load_skinny_kernel
+from astrai.skinny_linear import SKINNY_ROWS, SkinnyWeight, load_skinny_kernel
 
 BATCH_HINT = 8  # rows oneDNN tunes the packed layout for; any row count works
 # child names of the projections that one module applies to one input (transformers' Llama-style naming)
@@ -112,8 +112,8 @@ class FusedProduct(nn.Module):
         # the same weight laid out for products of few rows (decodes), where the C kernel builds; not a buffer
         # either: the graph reaches it through the handle, as the packed one
         skinny = load_skinny_kernel()
-        self.skinny = skinny if skinny is not None and skinny.supports(weight.dtype, weight.shape[1]) else None
-        self.skinny_weight = None if self.skinny is None else self.skinny.lay_out(weight)
+        serves = skinny is not None and skinny.supports(weight.dtype, weight.shape[1])
+        self.skinny: SkinnyWeight | None = skinny.bind(weight) if serves else None
         handle = next(_next_handle)
         _packed_weights[handle] = weakref.proxy(self)
         weakref.finalize(self, _packed_weights.pop, handle, None)  # the table never outlives the layer
@@ -135,7 +135,7 @@ class FusedProduct(nn.Module):
     def multiply(self, x: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
         """The product itself: few rows through the skinny kernel where it serves this weight, else oneDNN."""
         if self.skinny is not None and x.numel() <= SKINNY_ROWS * x.shape[-1]:
-            return self.skinny.product(x, self.skinny_weight, bias, out_features)
+            return self.skinny.multiply(x, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
 
     def part(self, index: int, x: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # the suffixes 
 
 
 class SkinnyKernel:
-    """``lay_out`` a weight once, then ``product`` any few rows by it."""
+    """The built library: ``bind`` a weight to it once, then ``multiply`` any few rows by the result."""
 
     def __init__(self, library: ctypes.CDLL):
         self.functions = {}
@@ -64,40 +64,62 @@ class SkinnyKernel:
             return self.bfloat16_dot and in_features % 2 == 0  # the C code takes k in pairs
         return dtype == torch.float32
 
-    @staticmethod
-    def lay_out(weight: torch.Tensor) -> torch.Tensor:
-        """``weight`` [N, K] as the C code reads it (its layouts: see the C file), N padded with zero rows."""
-        out_features, in_features = weight.shape
-        padded = -(-out_features // BLOCK) * BLOCK
-        weight = torch.nn.functional.pad(weight.detach(), (0, 0, 0, padded - out_features))
-        if weight.dtype == torch.bfloat16:  # [N/16, 16, K/2, 2] -> [N/16, K/2, 16, 2]
-            return weight.view(padded // BLOCK, BLOCK, in_features // 2, 2).transpose(1, 2).contiguous()
-        return weight.view(padded // BLOCK, BLOCK, in_features).transpose(1, 2).contiguous()
+    def bind(self, weight: torch.Tensor) -> SkinnyWeight:
+        """``weight`` [N, K] laid out for this kernel (a copy): a callable product by it."""
+        return SkinnyWeight(self.functions[weight.dtype], lay_out(weight), *weight.shape)
 
-    def product(
-        self, x: torch.Tensor, laid_out: torch.Tensor, bias: torch.Tensor | None, out_features: int
-    ) -> torch.Tensor:
-        """``x @ W^T + bias``, ``W`` [out_features, K] as ``lay_out`` returned it; x [..., K] of W's dtype."""
-        in_features = x.shape[-1]
-        rows = x.reshape(-1, in_features)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        out = torch.empty((rows.shape[0], out_features), dtype=x.dtype)
-        status = self.functions[x.dtype](
-            rows.data_ptr(),
-            rows.stride(0),
-            laid_out.data_ptr(),
+
+class SkinnyWeight:
+    """One weight laid out for the kernel: ``multiply`` any few rows by it.
+
+    Everything fixed about the weight is resolved here once (its C function, address and sizes): a decode step makes
+    one call per packed layer, and each call's Python was most of its cost beside the kernel's few microseconds.
+    Deliberately not callable: torch.compile's cache pickles the callable attributes of the model's modules (the
+    others it leaves out), and this holds a ctypes function, which cannot be pickled: the compile then failed."""
+
+    __slots__ = ("function", "laid_out", "address", "out_features", "in_features", "dtype")
+
+    def __init__(self, function: ctypes._CFuncPtr, laid_out: torch.Tensor, out_features: int, in_features: int):
+        self.function = function
+        self.laid_out = laid_out  # kept alive: the C code reads it through ``address``
+        self.address = laid_out.data_ptr()
+        self.out_features = out_features
+        self.in_features = in_features
+        self.dtype = laid_out.dtype
+
+    def multiply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ W^T + bias``: x [..., K] of the weight's dtype, bias [N] or None."""
+        if x.dtype != self.dtype or x.shape[-1] != self.in_features:
+            wanted = f"[..., {self.in_features}] {self.dtype}"
+            raise ValueError(f"the skinny product takes {wanted}, got {list(x.shape)} {x.dtype}")
+        if not x.is_contiguous():
+            x = x.contiguous()
+        out = torch.empty((*x.shape[:-1], self.out_features), dtype=x.dtype)
+        status = self.function(
+            x.data_ptr(),
+            self.in_features,
+            self.address,
             None if bias is None else bias.data_ptr(),
             out.data_ptr(),
-            out_features,
-            rows.shape[0],
-            out_features,
-            in_features,
+            self.out_features,
+            x.numel() // self.in_features,
+            self.out_features,
+            self.in_features,
             torch.get_num_threads(),
         )
         if status != 0:
-            raise RuntimeError(f"the skinny product refused in_features={in_features} in {x.dtype}")
-        return out.view(*x.shape[:-1], out_features)
+            raise RuntimeError(f"the skinny product refused in_features={self.in_features} in {x.dtype}")
+        return out
+
+
+def lay_out(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] as the C code reads it (its layouts: see the C file), N padded with zero rows."""
+    out_features, in_features = weight.shape
+    padded = -(-out_features // BLOCK) * BLOCK
+    weight = torch.nn.functional.pad(weight.detach(), (0, 0, 0, padded - out_features))
+    if weight.dtype == torch.bfloat16:  # [N/16, 16, K/2, 2] -> [N/16, K/2, 16, 2]
+        return weight.view(padded // BLOCK, BLOCK, in_features // 2, 2).transpose(1, 2).contiguous()
+    return weight.view(padded // BLOCK, BLOCK, in_features).transpose(1, 2).contiguous()
 
 
 @functools.cache

@@ -12,7 +12,7 @@ from torch import nn
 from astrai import InferenceEngine
 from astrai.packed_linear import FusedProduct, PackedLinear, packing_supported
 from astrai.paged_kernel import load_paged_kernel
-from astrai.skinny_linear import SKINNY_ROWS, load_skinny_kernel
+from astrai.skinny_linear import SKINNY_ROWS, SkinnyWeight, load_skinny_kernel
 from tests.support.tiny_models import make_model, reference_generate
 
 kernel = load_skinny_kernel()
@@ -35,12 +35,11 @@ def threads(request):
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_kernel_matches_nn_linear(dtype, rows, out_features, in_features, bias, threads):
     """Row counts around its block of 8 rows, column counts not a multiple of its 16-column blocks (nor of its
-    items of two blocks), an odd count of k pairs, with and without bias; rows read through a stride (a view)."""
+    items of two blocks), an odd count of k pairs, with and without bias; rows given as a strided view."""
     torch.manual_seed(rows * 1000 + out_features)
     linear = nn.Linear(in_features, out_features, bias=bias).to(dtype)
     x = torch.randn(rows, in_features + 6, dtype=dtype)[:, 3 : 3 + in_features]  # each row's values side by side
-    laid_out = kernel.lay_out(linear.weight)
-    got = kernel.product(x, laid_out, linear.bias, out_features)
+    got = kernel.bind(linear.weight).multiply(x, linear.bias)
     expected = nn.functional.linear(x.float(), linear.weight.float(), None if not bias else linear.bias.float())
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)
@@ -54,9 +53,10 @@ def test_a_packed_layer_sends_only_few_rows_to_the_kernel(dtype, monkeypatch):
     torch.manual_seed(0)
     linear = nn.Linear(64, 48).to(dtype)
     layer = PackedLinear(FusedProduct([linear], release=[False]), 0)
-    assert layer.group.skinny is kernel
+    assert layer.group.skinny is not None
     calls = []
-    monkeypatch.setattr(kernel, "product", lambda *args, real=kernel.product: calls.append(args) or real(*args))
+    real = SkinnyWeight.multiply
+    monkeypatch.setattr(SkinnyWeight, "multiply", lambda *args: calls.append(args) or real(*args))
     for rows, through_kernel in ((1, True), (SKINNY_ROWS, True), (SKINNY_ROWS + 1, False)):
         calls.clear()
         x = torch.randn(1, rows, 64, dtype=dtype)
