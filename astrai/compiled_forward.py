@@ -20,7 +20,7 @@ Invariants:
 * An artifact is used only under its key (``cache_key``): the torch, transformers and Python versions, the CPU (its
   model and flags) and torch's thread count (which its guards check), the model as prepared (its config, its module
   tree with which layers are fused and packed, and every parameter and buffer's name, shape and dtype) and the
-  source of what the graph calls (this module, the two ops, the C attention kernels and their flags). Weight
+  source of what the graph calls (this module, the two ops and their kernels, the C kernels and their flags). Weight
   *values* are not in it: they are inputs, never constants, so one artifact serves any model of the same shape (a
   test serves one model's weights through another's artifact).
 * Guards: those that travel between processes are kept (tensor metadata, global state, the shape environment;
@@ -56,7 +56,10 @@ from astrai.disk_cache import cache_dir, cpu_identity
 
 log = logging.getLogger("astrai")
 
-SOURCES = [Path(__file__), *(Path(__file__).with_name(name) for name in ("attention.py", "packed_linear.py", "ops.py"))]
+SOURCES = [
+    Path(__file__),
+    *(Path(__file__).with_name(name) for name in ("attention.py", "packed_linear.py", "skinny_linear.py", "ops.py")),
+]
 ARTIFACT = "forward.bin"
 
 CompiledForward = Callable[[PreTrainedModel, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -4,22 +4,30 @@ They are plain C, no PyTorch headers: ``gcc`` builds each in about a second, int
 a name that hashes the source, the flags and this CPU's model and flags (``-march=native``; ``disk_cache.py``).
 Each is built with OpenMP, whose runtime the loader resolves to the one torch already loaded (torch is imported
 first, and its bundled libgomp carries the name the library asks for): the kernels run on torch's own intra-op pool.
-A caller that cannot build (no compiler, a read-only cache) gets the exception and serves without the kernel.
+Where one cannot be built or loaded (no compiler, a read-only cache), ``load`` logs why and returns None: every
+kernel is only a speed-up, and its caller serves without it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 from astrai.disk_cache import cache_dir, cpu_identity
+
+log = logging.getLogger("astrai")
 
 SOURCES = {name: Path(__file__).with_name("kernels") / f"{name}.c" for name in ("paged_attention", "skinny_linear")}
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # the suffixes of every kernel's C functions
 
 
 def build(name: str) -> Path:
@@ -39,3 +47,14 @@ def build(name: str) -> Path:
         subprocess.run([compiler, *FLAGS, "-o", str(built), str(source), "-lm"], check=True, capture_output=True)
         os.replace(built, library)
     return library
+
+
+def load(name: str, fallback: str) -> ctypes.CDLL | None:
+    """Kernel ``name``'s library, built if need be; None where that fails, logged once per caller as ``<name>
+    kernel unavailable (<why>); <fallback>`` (callers cache their answer)."""
+    try:
+        return ctypes.CDLL(str(build(name)))
+    except Exception as error:  # no compiler, a read-only cache, an unknown CPU
+        detail = error.stderr.decode(errors="replace") if isinstance(error, subprocess.CalledProcessError) else error
+        log.warning("%s kernel unavailable (%s); %s", name, detail, fallback)
+        return None

@@ -26,16 +26,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import subprocess
 
 import torch
 
 from astrai import native
 
-log = logging.getLogger("astrai")
-
-DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # the suffixes of the C functions
 MAX_GROUPS, MAX_HEAD_DIM = 16, 256  # the C code's fixed buffers (and it takes D in whole 16-float vectors)
 
 
@@ -46,7 +41,7 @@ class PagedKernel:
         self.decode_functions = {}
         self.prefill_functions = {}
         rows = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]  # a pointer, its row and head strides
-        for dtype, suffix in DTYPES.items():
+        for dtype, suffix in native.DTYPES.items():
             prefill = getattr(library, f"paged_prefill_{suffix}")
             prefill.restype = ctypes.c_int
             prefill.argtypes = [
@@ -198,10 +193,6 @@ def _rows(rows: torch.Tensor | None) -> tuple[int | None, int, int]:
 
 @functools.cache
 def load_paged_kernel() -> PagedKernel | None:
-    """The kernel, built if this machine has not built it yet; None (logged once) where that is not possible."""
-    try:
-        return PagedKernel(ctypes.CDLL(str(native.build("paged_attention"))))
-    except Exception as error:  # no compiler, a read-only cache, an unknown CPU: PyTorch attends instead
-        detail = error.stderr.decode(errors="replace") if isinstance(error, subprocess.CalledProcessError) else error
-        log.warning("attention kernels unavailable (%s); attending through PyTorch", detail)
-        return None
+    """The kernels, built if this machine has not built them yet; None (logged once) where that is not possible."""
+    library = native.load("paged_attention", "attending through PyTorch")
+    return None if library is None else PagedKernel(library)

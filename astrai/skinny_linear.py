@@ -11,8 +11,9 @@ Measured on a 2-core AMD EPYC with AVX512-BF16, no AMX (``python -m benchmarks.s
 --shapes``; 3 rounds of 100 decode steps of 8 requests at 300 tokens, the kernel switched on and off step by step
 in one runner, oneDNN's time over the kernel's):
 
-- whole decode steps: embedded model 1.273-1.310x in bfloat16, 1.284x in float32; SmolLM2-135M-shaped model
-  1.197-1.241x in bfloat16, 1.288-1.302x in float32;
+- whole decode steps: embedded model 1.355-1.380x in bfloat16, 1.305-1.309x in float32; SmolLM2-135M-shaped model
+  1.197-1.241x in bfloat16, 1.288-1.302x in float32 (measured before ``SkinnyWeight`` bound each weight once, which
+  took a product's Python from 7.5 to 5.6 us);
 - each weight alone (one run each), at 8 rows: 1.03-1.78x on the embedded model, 1.01-1.41x on the
   SmolLM2-shaped one; at ``SKINNY_ROWS`` (16) rows 0.96-1.60x, oneDNN ahead only on the widest float32 weights; at
   32 rows oneDNN was ahead on more of them. The SmolLM2-shaped LM head (49,152 x 576) in bfloat16 for one row is
@@ -26,18 +27,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import subprocess
 
 import torch
 
 from astrai import native
 
-log = logging.getLogger("astrai")
-
 SKINNY_ROWS = 16  # the most rows a product takes through this kernel; more go to oneDNN
 BLOCK = 16  # output columns per block of the laid-out weight (the C code's LANES)
-DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # the suffixes of the C functions
 
 
 class SkinnyKernel:
@@ -45,7 +41,7 @@ class SkinnyKernel:
 
     def __init__(self, library: ctypes.CDLL):
         self.functions = {}
-        for dtype, suffix in DTYPES.items():
+        for dtype, suffix in native.DTYPES.items():
             function = getattr(library, f"skinny_linear_{suffix}")
             function.restype = ctypes.c_int
             function.argtypes = [
@@ -125,9 +121,5 @@ def lay_out(weight: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def load_skinny_kernel() -> SkinnyKernel | None:
     """The kernel, built if this machine has not built it yet; None (logged once) where that is not possible."""
-    try:
-        return SkinnyKernel(ctypes.CDLL(str(native.build("skinny_linear"))))
-    except Exception as error:  # no compiler, a read-only cache: oneDNN computes every product
-        detail = error.stderr.decode(errors="replace") if isinstance(error, subprocess.CalledProcessError) else error
-        log.warning("skinny product kernel unavailable (%s); every product goes through oneDNN", detail)
-        return None
+    library = native.load("skinny_linear", "every product goes through oneDNN")
+    return None if library is None else SkinnyKernel(library)

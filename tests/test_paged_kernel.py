@@ -155,7 +155,7 @@ def test_without_a_compiler_the_engine_attends_through_pytorch(fresh_kernel_cach
         assert engine.runner.paged_kernel is None
         text = engine.generate("Once upon a time", max_tokens=8)
     assert text == tokenizer.decode(expected, skip_special_tokens=True)
-    assert "attention kernels unavailable" in caplog.text
+    assert "paged_attention kernel unavailable" in caplog.text
 
 
 @pytest.mark.parametrize("groups", [1, 2])

@@ -88,4 +88,4 @@ def test_without_a_compiler_every_product_goes_through_onednn(no_compiler, caplo
         assert groups and all(group.skinny is None for group in groups)
         text = engine.generate("Once upon a time", max_tokens=8)
     assert text == tokenizer.decode(expected, skip_special_tokens=True)
-    assert "skinny product kernel unavailable" in caplog.text
+    assert "skinny_linear kernel unavailable" in caplog.text
