@@ -1,10 +1,11 @@
-/* Products of a few rows by a weight matrix: out[m, n] = x[m, :] . w[n, :] + bias[n], for m < rows (a decode step's
- * handful of rows), from a copy of the weight laid out for this loop.
+/* Products of a few rows by a weight matrix: out[m, n] = x[m, :] . w[n, :] + bias[n], for the m rows of a decode
+ * step, from a copy of the weight laid out for this loop.
  *
  * Why: oneDNN computes such a product in about the time of this loop, but torch's call into it (ideep's tensors,
- * descriptors, primitive-cache lookup and scratchpad, per call) costs 10-15 us more, and a decode step makes 25 of
- * them on the embedded model and 151 on a SmolLM2-135M-shaped one. ``astrai/skinny_kernel.py`` measures it and says
- * where the boundary in rows lies.
+ * descriptors, primitive-cache lookup and scratchpad, per call) cost about 12 us more (an 8-row product by a 384 x 256
+ * bfloat16 weight: 18.8 us a call, 5-7 of them in oneDNN; one run), and a decode step makes 25 of them on the
+ * embedded model and 121 on a SmolLM2-135M-shaped one. ``astrai/skinny_linear.py`` gives the measurements and where
+ * the boundary in rows lies.
  *
  * Layouts (n_pad: N rounded up to 16, the padding columns zero):
  *   float32:  w[n_pad / 16][K][16]: for each block of 16 output columns, its weights k after k, 16 side by side;
