@@ -61,7 +61,7 @@ class SkinnyKernel:
         return dtype == torch.float32
 
     def bind(self, weight: torch.Tensor) -> SkinnyWeight:
-        """``weight`` [N, K] laid out for this kernel (a copy): a callable product by it."""
+        """``weight`` [N, K] laid out for this kernel (a copy), ready to ``multiply`` by."""
         return SkinnyWeight(self.functions[weight.dtype], lay_out(weight), *weight.shape)
 
 
