@@ -201,7 +201,7 @@ def _key_parts(model: PreTrainedModel) -> Iterator[str | bytes]:
     yield repr(model)
     for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
         yield f"{name} {tuple(tensor.shape)} {tensor.dtype}"
-    for source in [*SOURCES, *native.SOURCES.values()]:
+    for source in [*SOURCES, *native.SOURCES.values(), *native.HEADERS]:
         yield source.read_bytes()
     yield " ".join(native.FLAGS)
 

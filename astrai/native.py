@@ -25,7 +25,9 @@ from astrai.disk_cache import cache_dir, cpu_identity
 
 log = logging.getLogger("astrai")
 
-SOURCES = {name: Path(__file__).with_name("kernels") / f"{name}.c" for name in ("paged_attention", "skinny_linear")}
+KERNELS = Path(__file__).with_name("kernels")
+SOURCES = {name: KERNELS / f"{name}.c" for name in ("paged_attention", "skinny_linear")}
+HEADERS = [KERNELS / "bfloat16.h"]  # included by the sources: part of every library's key
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # the suffixes of every kernel's C functions
 
@@ -33,7 +35,8 @@ DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # the suffixes 
 def build(name: str) -> Path:
     """The shared library of kernel ``name`` (a key of ``SOURCES``), built now if this machine has not built it."""
     source = SOURCES[name]
-    key = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode() + cpu_identity().encode()).hexdigest()[:16]
+    code = b"".join(path.read_bytes() for path in [source, *HEADERS])
+    key = hashlib.sha256(code + " ".join(FLAGS).encode() + cpu_identity().encode()).hexdigest()[:16]
     cache = cache_dir("kernels")
     library = cache / f"{name}-{key}.so"
     if library.exists():

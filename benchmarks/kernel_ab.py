@@ -1,11 +1,12 @@
 """The C attention kernels of one git revision against the working tree's: ``python -m benchmarks.kernel_ab
 [--base HEAD~1] [--rounds 3] [--calls 400]``.
 
-Both sources are built as ``astrai/native.py`` builds them (same compiler flags) into a temporary folder and
-loaded into this process. Each case is one layer's call on random caches: decode for a batch of 8 requests of
-unequal contexts (W2's lengths after about 40 generated tokens), of equal ones (W1's) and a single request, on the
-embedded model's head layout (2 KV heads of 4 query heads, head size 32) in both dtypes and a SmolLM2-135M-shaped
-one (3 KV heads of 3, head size 64) in bfloat16; then prefill (prompts of 16 to 300 tokens, W2's, from nothing).
+Both sources, with the headers they include, are built as ``astrai/native.py`` builds them (same compiler flags)
+into a temporary folder and loaded into this process. Each case is one layer's call on random caches: decode for a
+batch of 8 requests of unequal contexts (W2's lengths after about 40 generated tokens), of equal ones (W1's) and a
+single request, on the embedded model's head layout (2 KV heads of 4 query heads, head size 32) in both dtypes and a
+SmolLM2-135M-shaped one (3 KV heads of 3, head size 64) in bfloat16; then prefill (prompts of 16 to 300 tokens,
+W2's, from nothing).
 The two builds take turns call after call; each round prints both medians and their ratio (base over the tree's:
 above 1, the tree is faster). The outputs must be equal, bit for bit, or the run stops.
 """
@@ -31,11 +32,23 @@ W2_LENGTHS = [16 + (300 - 16) * i // 7 for i in range(8)]
 LAYOUTS = [((2, 4, 32), torch.bfloat16), ((2, 4, 32), torch.float32), ((3, 3, 64), torch.bfloat16)]
 
 
-def build(source: bytes, folder: Path, name: str) -> PagedKernel:
-    path = folder / f"{name}.c"
-    path.write_bytes(source)
-    built = folder / f"{name}.so"
-    subprocess.run(["gcc", *native.FLAGS, "-o", str(built), str(path), "-lm"], check=True)
+def build(revision: str | None, folder: Path) -> PagedKernel:
+    """The attention kernel (its source and the headers it includes) as of ``revision`` (None: the working tree),
+    built in ``folder``."""
+    folder.mkdir()
+    for path in [native.SOURCES["paged_attention"], *native.HEADERS]:
+        relative = path.relative_to(Path.cwd().resolve())
+        if revision is None:
+            code = relative.read_bytes()
+        else:
+            shown = subprocess.run(["git", "show", f"{revision}:{relative}"], capture_output=True)
+            if shown.returncode != 0:  # a header the revision did not have yet
+                continue
+            code = shown.stdout
+        (folder / path.name).write_bytes(code)
+    built = folder / "paged_attention.so"
+    source = folder / "paged_attention.c"
+    subprocess.run(["gcc", *native.FLAGS, "-o", str(built), str(source), "-lm"], check=True)
     return PagedKernel(ctypes.CDLL(str(built)))
 
 
@@ -74,13 +87,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=400, help="calls per build per case and round")
     args = parser.parse_args()
-    relative = native.SOURCES["paged_attention"].relative_to(Path.cwd().resolve())
-    base_source = subprocess.run(["git", "show", f"{args.base}:{relative}"], capture_output=True, check=True).stdout
     torch.manual_seed(0)
     print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads; base {args.base} / working tree")
     with tempfile.TemporaryDirectory() as folder:
-        tree_source = relative.read_bytes()
-        kernels = {"base": build(base_source, Path(folder), "base"), "tree": build(tree_source, Path(folder), "tree")}
+        kernels = {"base": build(args.base, Path(folder) / "base"), "tree": build(None, Path(folder) / "tree")}
         cases = []
         for layout, dtype in LAYOUTS:
             name = f"{layout} {str(dtype).removeprefix('torch.')}"

@@ -132,6 +132,7 @@ def test_the_key_covers_what_the_compiled_graph_depends_on(monkeypatch, tokenize
         changes[f"{name}.c's source"] = lambda patch, name=name, source=source: patch.setitem(
             native.SOURCES, name, edited(source)
         )
+    changes["the kernels' header"] = lambda patch: patch.setattr(native, "HEADERS", [edited(native.HEADERS[0])])
     for i, source in enumerate(compiled_forward.SOURCES):
         sources = [*compiled_forward.SOURCES[:i], edited(source), *compiled_forward.SOURCES[i + 1 :]]
         changes[f"{source.name}'s source"] = lambda patch, sources=sources: patch.setattr(

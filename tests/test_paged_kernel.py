@@ -142,6 +142,15 @@ def test_the_kernel_is_built_once_per_machine(fresh_kernel_cache, monkeypatch):
     assert load_paged_kernel() is not None
 
 
+def test_a_kernel_is_rebuilt_when_a_header_it_includes_changes(fresh_kernel_cache, monkeypatch):
+    """The shared header (bfloat16.h) is compiled into both libraries: its text is part of each one's cache key."""
+    before = native.build("paged_attention")
+    edited = fresh_kernel_cache / "bfloat16.h"
+    edited.write_bytes(native.HEADERS[0].read_bytes() + b"\n")
+    monkeypatch.setattr(native, "HEADERS", [edited])
+    assert native.build("paged_attention") != before
+
+
 def test_without_a_compiler_the_engine_attends_through_pytorch(fresh_kernel_cache, monkeypatch, caplog, tokenizer):
     from tests.support.tiny_models import make_model
 

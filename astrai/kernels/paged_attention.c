@@ -36,6 +36,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bfloat16.h"
+
 #define MAX_GROUPS 16
 #define MAX_HEAD_DIM 256
 #define LANES 16
@@ -65,12 +67,6 @@ static inline float lane_sum(vec v) {
     return s;
 }
 
-static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits += 0x7FFF + ((bits >> 16) & 1);
-    return (uint16_t)(bits >> 16);
-}
 
 /* Calls BODY with `slot` bound to each context slot of a request in position order and `l` its position. */
 #define FOR_EACH_SLOT(table, len, page_size, BODY)                                                                 \
@@ -235,12 +231,7 @@ DEFINE_DECODE(paged_decode_bfloat16, uint16_t, load_bfloat16, float_to_bf16)
 
 static inline float load_float_scalar(const float *p) { return *p; }
 
-static inline float load_bfloat16_scalar(const uint16_t *p) {
-    uint32_t bits = (uint32_t)*p << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
+static inline float load_bfloat16_scalar(const uint16_t *p) { return bf16_to_float(*p); }
 
 typedef int32_t lane_mask __attribute__((vector_size(LANES * sizeof(int32_t))));
 

@@ -19,6 +19,8 @@
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "bfloat16.h"
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 #endif
@@ -28,20 +30,6 @@
 #define BLOCKS 2 /* column blocks per work item */
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
-
-static inline float bf16_to_float(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits += 0x7FFF + ((bits >> 16) & 1);
-    return (uint16_t)(bits >> 16);
-}
 
 /* 1 where the bfloat16 product is built: it needs the CPU's bfloat16 dot product (AVX512-BF16). Without it, the
  * same loop as float32 multiply-adds took up to twice oneDNN's time on the larger weights (one run, AMD EPYC): the
