@@ -23,6 +23,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from astrai.attention import ATTN_IMPLEMENTATION, PagedBatch, build_paged_batch, serving
 from astrai.compiled_forward import Compiled, GraphNoLongerFits, Progress, compile_on_gpu, load_or_compile, logits
 from astrai.device import resolve_cpu_speedup, to_device, uses_openmp
+from astrai.huge_pages import Arena
 from astrai.model_thread import SharedForwards
 from astrai.packed_linear import pack_linears, packing_supported, unpack_linears
 from astrai.paged_kernel import PagedKernel, load_paged_kernel
@@ -307,10 +308,12 @@ class ModelRunner:
         slots = n_pages * page_size
         # the KV tensors first: a pool too large for memory fails here, before the model is touched
         shape = (kv_heads, slots, head_dim)
-        self.kv_cache = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(config.num_hidden_layers)
-        ]
+        arena = Arena()  # on the CPU, the pool on huge pages: a decode step reads its requests' pages of every layer
+
+        def zeros() -> torch.Tensor:
+            return arena.zeros(shape, dtype) if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
+
+        self.kv_cache = [(zeros(), zeros()) for _ in range(config.num_hidden_layers)]
         self.prepared = PreparedModel.acquire(model, preparation)
         self._released = False
         self.prepared.compile(progress)

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from astrai import ops
+from astrai.huge_pages import Arena
 from astrai.skinny_linear import SKINNY_ROWS, SkinnyWeight, load_skinny_kernel
 
 BATCH_HINT = 8  # rows oneDNN tunes the packed layout for; any row count works
@@ -99,9 +100,11 @@ class FusedProduct(nn.Module):
     computes each group's product once and slices it (a packed product as one ``astrai::packed_linear`` op). Each
     member's original ``nn.Linear`` is kept (unregistered, so the model's parameters are not listed twice) for
     ``unpack``; its weight's storage is released while fused unless another module shares it (a tied embedding).
+    The copy laid out for the skinny kernel is taken from ``arena``, one per model: its weights side by side on
+    huge pages (``huge_pages.py``).
     """
 
-    def __init__(self, linears: list[nn.Linear], release: list[bool]):
+    def __init__(self, linears: list[nn.Linear], release: list[bool], arena: Arena):
         super().__init__()
         weight = torch.cat([linear.weight.detach() for linear in linears])
         biases = [linear.bias for linear in linears]
@@ -109,11 +112,11 @@ class FusedProduct(nn.Module):
         # buffers, so that a compiled graph takes them as inputs; not persistent: the state_dict is unchanged
         self.register_buffer("bias", bias, persistent=False)
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)  # not a buffer (above)
-        # the same weight laid out for products of few rows (decodes), where the C kernel builds; not a buffer
-        # either: the graph reaches it through the handle, as the packed one
+        # the same weight laid out for products of few rows (decodes), where the C kernel builds, in ``arena``'s
+        # huge pages; not a buffer either: the graph reaches it through the handle, as the packed one
         skinny = load_skinny_kernel()
         serves = skinny is not None and skinny.supports(weight.dtype, weight.shape[1])
-        self.skinny: SkinnyWeight | None = skinny.bind(weight) if serves else None
+        self.skinny: SkinnyWeight | None = skinny.bind(weight, arena) if serves else None
         handle = next(_next_handle)
         _packed_weights[handle] = weakref.proxy(self)
         weakref.finalize(self, _packed_weights.pop, handle, None)  # the table never outlives the layer
@@ -176,10 +179,11 @@ class PackedLinear(nn.Module):
 def pack_linears(model: nn.Module) -> int:
     """Swap every plain ``nn.Linear`` of ``model`` for a ``PackedLinear``, siblings fused; return how many."""
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    arena = Arena()  # the model's laid-out weights side by side, on as few huge pages as they fill
     packed = 0
     for names in _groups(model):
         linears = [model.get_submodule(name) for name in names]
-        group = FusedProduct(linears, release=[uses[id(linear.weight)] == 1 for linear in linears])
+        group = FusedProduct(linears, [uses[id(linear.weight)] == 1 for linear in linears], arena)
         for index, name in enumerate(names):
             _set_submodule(model, name, PackedLinear(group, index))
         packed += len(names)

@@ -31,6 +31,7 @@ import functools
 import torch
 
 from astrai import native
+from astrai.huge_pages import Arena
 
 SKINNY_ROWS = 16  # the most rows a product takes through this kernel; more go to oneDNN
 BLOCK = 16  # output columns per block of the laid-out weight (the C code's LANES)
@@ -60,9 +61,9 @@ class SkinnyKernel:
             return self.bfloat16_dot and in_features % 2 == 0  # the C code takes k in pairs
         return dtype == torch.float32
 
-    def bind(self, weight: torch.Tensor) -> SkinnyWeight:
-        """``weight`` [N, K] laid out for this kernel (a copy), ready to ``multiply`` by."""
-        return SkinnyWeight(self.functions[weight.dtype], lay_out(weight), *weight.shape)
+    def bind(self, weight: torch.Tensor, arena: Arena) -> SkinnyWeight:
+        """``weight`` [N, K] laid out for this kernel (a copy, in ``arena``'s huge pages), ready to ``multiply`` by."""
+        return SkinnyWeight(self.functions[weight.dtype], lay_out(weight, arena), *weight.shape)
 
 
 class SkinnyWeight:
@@ -108,14 +109,17 @@ class SkinnyWeight:
         return out
 
 
-def lay_out(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [N, K] as the C code reads it (its layouts: see the C file), N padded with zero rows."""
+def lay_out(weight: torch.Tensor, arena: Arena) -> torch.Tensor:
+    """``weight`` [N, K] as the C code reads it (its layouts: see the C file), N padded with zero rows, in ``arena``:
+    a decode step streams every laid-out weight, which huge pages make faster (``huge_pages.py``)."""
     out_features, in_features = weight.shape
     padded = -(-out_features // BLOCK) * BLOCK
     weight = torch.nn.functional.pad(weight.detach(), (0, 0, 0, padded - out_features))
     if weight.dtype == torch.bfloat16:  # [N/16, 16, K/2, 2] -> [N/16, K/2, 16, 2]
-        return weight.view(padded // BLOCK, BLOCK, in_features // 2, 2).transpose(1, 2).contiguous()
-    return weight.view(padded // BLOCK, BLOCK, in_features).transpose(1, 2).contiguous()
+        blocked = weight.view(padded // BLOCK, BLOCK, in_features // 2, 2).transpose(1, 2)
+    else:
+        blocked = weight.view(padded // BLOCK, BLOCK, in_features).transpose(1, 2)
+    return arena.empty(blocked.shape, blocked.dtype).copy_(blocked)
 
 
 @functools.cache

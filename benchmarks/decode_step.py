@@ -4,8 +4,9 @@
 The model runner alone (no scheduler, sampler or streams), on the SmolLM2-135M-shaped model or the embedded one, in
 variants that each hold their own copy of the weights: the default (compiled, from the on-disk cache when this
 machine compiled the model before; packed and fused weights, decode attention by the C kernel), the same with
-decode attention through PyTorch (gather, then ``scaled_dot_product_attention``), eager (``compile=False``), and
-``compiled`` (``compile=True``, the default said explicitly). Every variant
+decode attention through PyTorch (gather, then ``scaled_dot_product_attention``), eager (``compile=False``),
+``compiled`` (``compile=True``, the default said explicitly), and ``plain-pages`` (the default with its laid-out
+weights and KV pool on 4 KiB pages, ``huge_pages.py``). Every variant
 first computes the same prompts, then the variants take turns computing one decode step for the whole batch,
 step after step, so a drift of the machine hits all of them alike. Each round reports every variant's median step
 and its ratio to the first variant, taken pair by pair within the round.
@@ -20,6 +21,7 @@ import time
 
 import torch
 
+from astrai import huge_pages
 from astrai.model_runner import SUPPORTED_DTYPES, ModelRunner, Preparation
 from astrai.request import Request
 from astrai.sampling import SamplingParams
@@ -32,6 +34,7 @@ VARIANTS = {
     "eager": dict(compile=False),
     "torch-attention": dict(attention_kernel=False),
     "compiled": dict(compile=True),
+    "plain-pages": dict(),  # the default on 4 KiB pages (huge_pages.ENABLED off while it is built)
 }
 
 
@@ -74,6 +77,7 @@ def main() -> None:
     for name in chosen:
         preparation = Preparation.resolve(SUPPORTED_DTYPES[args.dtype], torch.device("cpu"), **VARIANTS[name])
         started = time.perf_counter()
+        huge_pages.ENABLED = name != "plain-pages"
         runner = ModelRunner(copy.deepcopy(model), n_pages, PAGE_SIZE, preparation)
         work[name] = decode_batch(runner, args.batch, args.context, vocab)
         runner.step(work[name])

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from astrai import InferenceEngine
+from astrai.huge_pages import Arena
 from astrai.packed_linear import FusedProduct, PackedLinear, pack_linears, packing_supported, unpack_linears
 from tests.support.tiny_models import make_model, reference_generate
 
@@ -20,7 +21,7 @@ def test_packed_linear_matches_nn_linear(rows, bias):
     linear = nn.Linear(96, 160, bias=bias)
     x = torch.randn(1, rows, 96)
     expected = linear(x)
-    packed = PackedLinear(FusedProduct([linear], release=[False]), 0)
+    packed = PackedLinear(FusedProduct([linear], [False], Arena()), 0)
     torch.testing.assert_close(packed(x), expected, rtol=1e-5, atol=1e-5)
 
 
@@ -29,7 +30,7 @@ def test_bfloat16_packed_linear_matches():
         pytest.skip("this CPU has no oneDNN bfloat16 support")
     linear = nn.Linear(64, 48).to(torch.bfloat16)
     x = torch.randn(5, 64, dtype=torch.bfloat16)
-    packed = PackedLinear(FusedProduct([linear], release=[False]), 0)
+    packed = PackedLinear(FusedProduct([linear], [False], Arena()), 0)
     torch.testing.assert_close(packed(x), linear(x), rtol=2e-2, atol=2e-2)
 
 
@@ -44,7 +45,7 @@ def test_a_compiled_packed_product_reads_the_weight_its_handle_names():
     compiled = torch.compile(lambda layer, t: layer(t), fullgraph=True, dynamic=False)
     torch._dynamo.utils.counters.clear()
     for linear, want in zip((first, second), expected, strict=True):
-        packed = PackedLinear(FusedProduct([linear], release=[False]), 0)
+        packed = PackedLinear(FusedProduct([linear], [False], Arena()), 0)
         torch.testing.assert_close(compiled(packed, x), want, rtol=1e-5, atol=1e-5)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
@@ -54,7 +55,7 @@ def test_the_packed_product_op_agrees_with_its_fake(bias):
     """The compiled graph allocates and checks each op's output from its fake (shape) function: opcheck compares the
     two, and the op's registration (schema, fake, dispatch) with what torch expects of an opaque op."""
     torch.manual_seed(1)
-    group = FusedProduct([nn.Linear(64, 48, bias=bias)], release=[False])
+    group = FusedProduct([nn.Linear(64, 48, bias=bias)], [False], Arena())
     x = torch.randn(1, 5, 64)
     torch.library.opcheck(torch.ops.astrai.packed_linear.default, (x, group.handle, group.bias, 48))
 
@@ -134,10 +135,10 @@ def test_a_failure_while_packing_falls_back_to_plain_weights(tokenizer, monkeypa
     made = []
 
     class FailingOnThird(FusedProduct):
-        def __init__(self, linears: list[nn.Linear], release: list[bool]):
+        def __init__(self, linears: list[nn.Linear], release: list[bool], arena: Arena):
             if len(made) == 2:
                 raise RuntimeError("simulated oneDNN failure")
-            super().__init__(linears, release)
+            super().__init__(linears, release, arena)
             made.append(self)
 
     monkeypatch.setattr("astrai.packed_linear.FusedProduct", FailingOnThird)

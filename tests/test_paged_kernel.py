@@ -50,7 +50,9 @@ def threads(request):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("kv_heads", "groups", "head_dim"), [(3, 3, 64), (2, 1, 32), (1, 8, 128), (2, 4, 32)])
+@pytest.mark.parametrize(
+    ("kv_heads", "groups", "head_dim"), [(3, 3, 64), (2, 1, 32), (1, 8, 128), (2, 4, 32), (2, 3, 48)]
+)
 @pytest.mark.parametrize("writes", [False, True], ids=["attends", "writes-then-attends"])
 def test_kernel_matches_pytorch_attention(kernel, dtype, kv_heads, groups, head_dim, writes, threads):
     torch.manual_seed(head_dim)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from astrai import InferenceEngine
+from astrai.huge_pages import Arena
 from astrai.packed_linear import FusedProduct, PackedLinear, packing_supported
 from astrai.paged_kernel import load_paged_kernel
 from astrai.skinny_linear import SKINNY_ROWS, SkinnyWeight, load_skinny_kernel
@@ -39,7 +40,7 @@ def test_the_kernel_matches_nn_linear(dtype, rows, out_features, in_features, bi
     torch.manual_seed(rows * 1000 + out_features)
     linear = nn.Linear(in_features, out_features, bias=bias).to(dtype)
     x = torch.randn(rows, in_features + 6, dtype=dtype)[:, 3 : 3 + in_features]  # each row's values side by side
-    got = kernel.bind(linear.weight).multiply(x, linear.bias)
+    got = kernel.bind(linear.weight, Arena()).multiply(x, linear.bias)
     expected = nn.functional.linear(x.float(), linear.weight.float(), None if not bias else linear.bias.float())
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)
@@ -52,7 +53,7 @@ def test_a_packed_layer_sends_only_few_rows_to_the_kernel(dtype, monkeypatch):
     """Up to SKINNY_ROWS rows (a decode step) the product is the kernel's; more (a prefill) oneDNN's: both agree."""
     torch.manual_seed(0)
     linear = nn.Linear(64, 48).to(dtype)
-    layer = PackedLinear(FusedProduct([linear], release=[False]), 0)
+    layer = PackedLinear(FusedProduct([linear], [False], Arena()), 0)
     assert layer.group.skinny is not None
     calls = []
     real = SkinnyWeight.multiply
