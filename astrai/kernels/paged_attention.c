@@ -95,9 +95,9 @@ DEFINE_SCORE(float32, float, load_float)
 /* bfloat16 where the CPU has AVX512-BF16: the query stays bfloat16 (its bits copied, unscaled), and one dot product
  * instruction takes 32 of the row's values in pairs as they lie in the cache, each product exact in float32; the
  * sum is scaled after. Why: widening each K row to float32 first (two instructions per 16 values) and multiplying
- * it out was most of the score pass; this made a SmolLM2-135M-shaped layer's decode (8 requests at 320 tokens,
- * cache-warm) 1.25x faster and whole decode steps 1.02-1.03x (2-core AMD EPYC, no AMX; ``python -m
- * benchmarks.kernel_ab``, docs/benchmarks.md). */
+ * it out was most of the score pass; this made a SmolLM2-135M-shaped layer's decode (8 requests at 320 tokens, its
+ * pool in the CPU's caches) 1.26x faster, the embedded model's 1.15x (2-core AMD EPYC, no AMX; ``python -m
+ * benchmarks.kernel_ab --tolerance 0.05``, 3 rounds, docs/benchmarks.md). */
 static inline void query_bfloat16(const uint16_t *qg, vec *qv, int64_t head_dim, float scale) {
     memset(qv, 0, sizeof(vec) * ((head_dim + 2 * LANES - 1) / (2 * LANES))); /* a last half vector's zeros */
     memcpy(qv, qg, sizeof(uint16_t) * head_dim);
