@@ -104,29 +104,12 @@ def test_bad_input_gets_a_clear_message(client):
     assert client.predict(api_name="/cache_stats")["used_pages"] == 0
 
 
-@pytest.fixture(scope="module")
-def one_at_a_time_url():
-    """An app whose engines compute one request at a time (``ASTRAI_MAX_BATCH_SIZE=1``): a run of several panels
-    lasts their sum, whatever the machine's speed."""
-    with launch_app({"ASTRAI_MAX_BATCH_SIZE": "1"}, log_path=ARTIFACTS / "app-one-at-a-time.log") as url:
-        yield url
-
-
-def browser_on(url: str) -> Iterator:
+@pytest.fixture
+def page(server_url) -> Iterator:
     if not shutil.which(CHROMIUM):
         pytest.skip("Debian chromium is not installed (.ci/run installs it)")
-    with open_playground(url) as pg:
+    with open_playground(server_url) as pg:
         yield pg
-
-
-@pytest.fixture
-def one_at_a_time(one_at_a_time_url):
-    yield from browser_on(one_at_a_time_url)
-
-
-@pytest.fixture
-def page(server_url):
-    yield from browser_on(server_url)
 
 
 @pytest.mark.browser
@@ -438,27 +421,3 @@ def test_browser_two_visitors_one_scenario_each_neither_disturbs_the_other(serve
         assert "1024 pages × 16 tokens, batch 64" in stats_text(a), "A's engine is the one A started on"
         assert re.search(r"\b0 evictions", stats_text(a)), stats_text(a)
         assert all(a.locator(f"#out_{i} textarea").input_value() for i in range(4))
-
-
-@pytest.mark.browser
-def test_browser_badges_fill_in_while_the_run_streams(one_at_a_time):
-    """TTFT shows in the badge as soon as the live view knows it, not only when the run ends (the request table,
-    which ``after_run`` fills, is still empty then).
-
-    The live view ticks once a second, and one panel of 256 tokens took about 1.2 s once the decode kernel got
-    faster: the run ended before a tick (CI). On an engine that computes one request at a time, 6 such panels run
-    one after the other: panel 1's TTFT is known after its prefill, and the run goes on for several seconds."""
-    page = one_at_a_time
-    page.locator("#n_panels input[type=number]").fill("6")
-    page.locator("#n_panels input[type=number]").press("Enter")
-    page.locator("#prefix textarea").fill("")
-    for i in range(6):
-        page.locator(f"#prompt_{i} textarea").fill("and then " * 15)  # greedy, this runs to all 256 tokens
-    page.get_by_text("Sampling").first.click()
-    page.locator("#max_tokens input[type=number]").fill("256")
-    page.locator("#max_tokens input[type=number]").press("Enter")
-    page.click("#run_btn")
-    page.wait_for_function("/TTFT/.test(document.querySelector('#badge_0').innerText)", timeout=60000)
-    assert "finished" not in page.locator("#requests").inner_text(), "the badge came before the run ended"
-    assert "running" not in page.locator("#badge_0").inner_text()
-    page.click("#stop_btn")

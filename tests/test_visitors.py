@@ -87,3 +87,22 @@ def test_two_hundred_polling_tabs_leave_an_active_visitors_replay(playground):
         for tab in range(OPEN_TABS):
             live.refresh(None, request(f"tab-{tab}"))
     assert replays.page_map_at(3, request("active")) == recorded
+
+
+def test_the_live_view_fills_in_the_badges_while_a_run_streams(playground):
+    """TTFT shows in a panel's badge as soon as the live view knows it, not only when the run ends (``after_run``).
+    The run is held mid-stream here (its generator not resumed): in a browser, whether a 1 Hz tick falls inside a
+    run decided the outcome, and the engine got fast enough for a whole run to end between two ticks (CI)."""
+    ctx, runs, live, _ = playground
+    fields = {name: component.value for name, component in ctx.ui.run_fields().items()}
+    stream = runs.run(fields | {"max_tokens": 64}, request("teacher"))
+    first_badge = ctx.ui.panels.badges[0]
+    shown = ""
+    for _ in stream:  # each update of the streaming text; the run is still on at each
+        shown = live.refresh(None, request("teacher")).get(first_badge, "")
+        if "TTFT" in shown:
+            break
+    assert "TTFT" in shown and "streaming" in shown, shown
+    for _ in stream:
+        pass
+    runs.after_run(request("teacher"))
