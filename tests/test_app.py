@@ -13,6 +13,7 @@ import pytest
 
 from astrai import InferenceEngine
 from astrai.playground.backends.profiles import EMBEDDED_LABEL, EMBEDDED_MODEL
+from tests.support.needs import NO_CHROMIUM
 from tests.support.waiting import wait_until
 from tools import loadtest
 from tools.browser import CHROMIUM, open_playground, open_visitors
@@ -107,7 +108,7 @@ def test_bad_input_gets_a_clear_message(client):
 @pytest.fixture
 def page(server_url) -> Iterator:
     if not shutil.which(CHROMIUM):
-        pytest.skip("Debian chromium is not installed (.ci/run installs it)")
+        pytest.skip(NO_CHROMIUM)
     with open_playground(server_url) as pg:
         yield pg
 
@@ -277,7 +278,7 @@ def test_replay_shows_the_recorded_pool_at_each_step(server_url):
 @pytest.fixture
 def laptop(server_url):
     if not shutil.which(CHROMIUM):
-        pytest.skip("Debian chromium is not installed (.ci/run installs it)")
+        pytest.skip(NO_CHROMIUM)
     with open_playground(server_url, viewport=(1366, 768)) as pg:
         yield pg
 
@@ -395,7 +396,7 @@ def test_browser_two_visitors_one_scenario_each_neither_disturbs_the_other(serve
     really used the small pool. (On the code before engines by profile, B's pick rebuilt the one engine: A's run was
     cut short and A's pool shrank to 40 pages.)"""
     if not shutil.which(CHROMIUM):
-        pytest.skip("Debian chromium is not installed (.ci/run installs it)")
+        pytest.skip(NO_CHROMIUM)
     with open_visitors(server_url, 2, viewport=(1366, 768)) as (a, b):
         a.get_by_text("Sampling").first.click()
         a.locator("#max_tokens input[type=number]").fill("256")

@@ -35,6 +35,7 @@ from astrai.playground.backends.vllm.encoding import END_SEQ, AllBlocksCleared, 
 from astrai.playground.backends.vllm.metrics import parse_metrics
 from tests.support import fake_vllm
 from tests.support.fake_kv import StubSubscriber
+from tests.support.needs import NO_CHROMIUM, NO_VLLM
 from tests.support.waiting import wait_until
 from tools import loadtest
 from tools.loadtest import launch_app
@@ -234,7 +235,7 @@ def test_a_server_killed_mid_run_fails_each_panel_clearly_and_the_app_recovers()
             final = job.result(timeout=30)
             assert time.monotonic() - started < 20, "a dead server must not hang the run"
             for badge in badges_of(client, 4):
-                assert "failed:" in badge and url in badge, badge
+                assert "failed:" in badge and url in badge and "broke mid-stream" in badge, badge
             assert all(final[i] for i in range(4)), "what streamed before the kill stays"
             assert wait_until(lambda: "backend unreachable" in stats_line(client), timeout=10, interval=0.3)
             # still serving: a run while the server is down ends at once, each panel saying why
@@ -298,6 +299,20 @@ def test_app_refuses_a_server_it_cannot_reach_with_a_clear_message():
     )
     assert result.returncode != 0
     assert "cannot attach to vLLM" in result.stderr and url in result.stderr, result.stderr[-2000:]
+    # one line, no traceback and no noise from half-built clients at exit
+    assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+
+
+def test_the_openai_client_takes_the_stream_timeout():
+    """The locked openai is built on httpx2, which refuses httpx's Timeout: a fresh install crashed at start, for any
+    --vllm-url, while CI's older httpx2 let it through."""
+    from astrai.playground.backends.vllm.backend import VllmBackend
+
+    client = VllmBackend._openai("http://127.0.0.1:1")
+    try:
+        assert (client.timeout.connect, client.timeout.read) == (3.0, 60.0)
+    finally:
+        client.close()
 
 
 # --- a real vLLM server --------------------------------------------------------------------------------------
@@ -315,7 +330,7 @@ PANELS = ["One day, he found a", "One day, his cat", "One day, a big storm", "Th
 @pytest.fixture(scope="module")
 def vllm_url():
     if not VLLM_URL:
-        pytest.skip("ASTRAI_VLLM_URL is not set: no vLLM server to test against (.ci/run starts one)")
+        pytest.skip(NO_VLLM)
     url = VLLM_URL.rstrip("/")
     launch_log = os.environ.get("ASTRAI_VLLM_LAUNCH_LOG")  # .ci/run: the background launcher's log
 
@@ -498,7 +513,7 @@ def test_vllm_browser_shared_prefix_scenario_twice(vllm_app):
     from tools.browser import CHROMIUM, open_playground
 
     if not shutil.which(CHROMIUM):
-        pytest.skip("Debian chromium is not installed (.ci/run installs it)")
+        pytest.skip(NO_CHROMIUM)
     with open_playground(vllm_app, viewport=(1366, 768)) as page:
         page.locator("#scenario input").click()
         page.get_by_role("option", name="Shared system prompt").click()
@@ -566,7 +581,7 @@ def test_vllm_real_server_killed_mid_run_then_restarted(vllm_url, tmp_path):
             job.result(timeout=60)
             assert time.monotonic() - started < 30, "a dead server must not hang the run"
             for badge in badges_of(client, 4):
-                assert "failed:" in badge and url in badge, badge
+                assert "failed:" in badge and url in badge and "broke mid-stream" in badge, badge
             assert wait_until(lambda: "backend unreachable" in stats_line(client), timeout=15, interval=0.3)
             subprocess.run([*serve, "--wait", "--timeout", "600"], check=True, cwd=ROOT)
             assert wait_until(lambda: "backend unreachable" not in stats_line(client), timeout=30, interval=0.5)

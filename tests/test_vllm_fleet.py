@@ -37,6 +37,7 @@ from astrai.playground.backends.vllm.encoding import BlockStored, KVEventBatch
 from astrai.playground.backends.vllm.router import RouterSpec, parse_router_metrics
 from astrai.playground.backends.vllm.subscriber import KvEventSubscriber
 from astrai.playground.views import fleet as fleet_views
+from tests.support.needs import NO_FLEET
 from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -189,7 +190,7 @@ def test_a_finished_runs_badges_wait_for_the_events_that_name_its_replicas():
 def fleet_info() -> dict:
     path = os.environ.get("ASTRAI_FLEET")
     if not path:
-        pytest.skip("ASTRAI_FLEET is not set: no vLLM fleet to test against (.ci/run starts one)")
+        pytest.skip(NO_FLEET)
     launch_log = Path(path + ".log")
 
     def ready() -> bool:

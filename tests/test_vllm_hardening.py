@@ -26,6 +26,7 @@ from astrai.playground.backends.vllm.metrics import parse_metrics
 from astrai.playground.backends.vllm.subscriber import KvEventSubscriber
 from tests.support import fake_vllm
 from tests.support.fake_kv import BEFORE_CLEAR, DATA, FakePublisher, StubSubscriber, held, recorded
+from tests.support.needs import NO_VLLM
 from tests.support.waiting import wait_until
 
 
@@ -264,7 +265,7 @@ def test_vllm_real_server_reports_a_steady_start_time():
     """What restart detection reads is there on the real server, and two scrapes agree on it."""
     url = os.environ.get("ASTRAI_VLLM_URL")
     if not url:
-        pytest.skip("ASTRAI_VLLM_URL is not set: no vLLM server to test against (.ci/run starts one)")
+        pytest.skip(NO_VLLM)
     first, second = (parse_metrics(httpx.get(url.rstrip("/") + "/metrics", timeout=5).text) for _ in range(2))
     assert first.process_start is not None and first.process_start < time.time()
     assert second.process_start == first.process_start and not second.restarted_since(first)

@@ -23,6 +23,7 @@ from astrai.playground.backends.vllm.subscriber import KvEventSubscriber
 from astrai.playground.backends.vllm.tracker import BlockTracker
 from tests.support import fake_vllm
 from tests.support.fake_kv import BEFORE_CLEAR, FakePublisher, StubSubscriber, held, recorded
+from tests.support.needs import NO_VLLM
 from tests.support.waiting import wait_until
 
 
@@ -268,7 +269,7 @@ def test_vllm_real_server_replay_from_zero_gives_a_whole_page_map():
     be missing (its buffer, 10000 batches in CI, still holds seq 0)."""
     url, events, replay = (os.environ.get(f"ASTRAI_VLLM_{n}") for n in ("URL", "KV_EVENTS", "KV_REPLAY"))
     if not (url and events and replay):
-        pytest.skip("ASTRAI_VLLM_URL, ASTRAI_VLLM_KV_EVENTS and ASTRAI_VLLM_KV_REPLAY are needed")
+        pytest.skip(NO_VLLM)
     backend = VllmBackend(url, kv_events=events, kv_replay=replay, sample_every_s=3600)
     try:
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 
 import gradio as gr
-from astrai.playground.callbacks.routing import RoutingCallbacks
 
 from astrai.playground.backends.protocol import Engines
 from astrai.playground.callbacks.context import Context
 from astrai.playground.callbacks.live import LiveCallbacks
 from astrai.playground.callbacks.pacing import StreamingRuns
 from astrai.playground.callbacks.replay import ReplayCallbacks
+from astrai.playground.callbacks.routing import RoutingCallbacks
 from astrai.playground.callbacks.run import RunCallbacks
 from astrai.playground.callbacks.setup import SetupCallbacks
 from astrai.playground.scenarios import Lesson

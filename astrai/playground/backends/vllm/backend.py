@@ -40,7 +40,8 @@ from astrai.playground.backends.vllm.run import VllmRun, _Request, cache_salt, c
 from astrai.playground.backends.vllm.sampler import SAMPLE_EVERY_S, Clock
 from astrai.sampling import SamplingParams
 
-STREAM_TIMEOUT = httpx.Timeout(60.0, connect=3.0)  # read: the longest wait for the next chunk of a stream
+# openai's own Timeout: the client is built on httpx2, which refuses httpx's (tests/test_vllm_client.py)
+STREAM_TIMEOUT = openai.Timeout(60.0, connect=3.0)  # read: the longest wait for the next chunk of a stream
 KEEP_REQUESTS = 4096
 _request_ids = itertools.count(1)  # synthetic request ids, unique in this process
 

@@ -27,7 +27,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import openai
 
 from astrai.observation import RequestInfo
@@ -193,11 +192,12 @@ class VllmRun:
     def _stream(self, index: int, payload: dict[str, Any]) -> None:
         request = self._requests[index]
         closed = self._closed[index]
-        finished = False
+        finished = started = False
         try:
             if closed.is_set():
                 return
             stream = self._client.completions.create(**payload)
+            started = True
             with self._streams_lock:
                 self._streams[index] = stream
             if closed.is_set():
@@ -211,7 +211,7 @@ class VllmRun:
                 raise _StreamEnded("the stream ended before the request finished (server stopped?)")
         except Exception as exc:  # noqa: BLE001 - every failure becomes a per-panel message
             if not closed.is_set():
-                message, unavailable = self._describe(exc)
+                message, unavailable = self._describe(exc, started)
                 if self._where is not None and (where := self._where(request)):
                     message += f"; {where}"
                 self._finish(request, "failed", message)
@@ -272,12 +272,16 @@ class VllmRun:
             request.status, request.error = status, error
             self._outcomes[status] += 1
 
-    def _describe(self, exc: BaseException) -> tuple[str, bool]:
-        """A visitor-facing message for a failed stream, and whether it means the server is unavailable."""
+    def _describe(self, exc: BaseException, started: bool) -> tuple[str, bool]:
+        """A visitor-facing message for a failed stream, and whether it means the server is unavailable.
+        ``started``: the server had answered the request (a connection error is then a break mid-stream, not a
+        server that cannot be reached: openai wraps both in ``APIConnectionError``)."""
         if isinstance(exc, openai.APITimeoutError):
             return f"{self._peer} did not answer in time", True
+        if isinstance(exc, openai.APIConnectionError) and started:
+            return f"the connection to {self._peer} broke mid-stream ({exc.__cause__ or exc})", True
         if isinstance(exc, openai.APIConnectionError):
-            return f"cannot reach {self._peer} (connection refused or lost)", True
+            return f"cannot reach {self._peer} (connection refused)", True
         if isinstance(exc, openai.APIStatusError):
             message = exc.message if isinstance(exc.message, str) else str(exc)
             return f"the vLLM server answered HTTP {exc.status_code}: {message[:300]}", exc.status_code in (
@@ -285,7 +289,7 @@ class VllmRun:
                 503,
                 504,
             )
-        if isinstance(exc, (httpx.HTTPError, _StreamEnded)):
+        if isinstance(exc, _StreamEnded):
             reason = str(exc) or type(exc).__name__
             return f"the connection to {self._peer} broke mid-stream ({reason})", True
         return f"{type(exc).__name__}: {exc}", False
