@@ -483,12 +483,13 @@ class InferenceEngine:
                 with self._lock:
                     self._work_arrived.wait(0.01)
                 return
+            decode = sum(req.decoded(count) for req, count in work)  # before the step ends any request
             logits = self.runner.step(work)
             sampled = [req for req, count in work if req.num_computed + count == len(req.token_ids)]
             tokens = sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
             with self._lock:
                 outbox, appended = self._finish_step(work, dict(zip(sampled, tokens, strict=True)))
-                self._record_step(work, before, started, appended)
+                self._record_step(work, decode, before, started, appended)
         except Exception as exc:
             log.exception("astrai step failed")
             with self._lock:
@@ -496,7 +497,7 @@ class InferenceEngine:
                 # a scheduling failure leaves no trustworthy bookkeeping: fail everything it was juggling
                 victims = [req for req, _ in work] or [*self.scheduler.running, *self.scheduler.waiting]
                 outbox = self._fail(victims, RequestFailedError(f"the step computing this request failed: {exc!r}"))
-                self._record_step([], before, started, [])
+                self._record_step([], 0, before, started, [])
         _deliver(outbox)
 
     def _finish_step(
@@ -511,7 +512,7 @@ class InferenceEngine:
         for req, count in work:
             for i in range(req.num_computed // size, (req.num_computed + count - 1) // size + 1):
                 self.pool.touch(req.pages[i])  # its KV grew: the step history records its new tokens
-            req.num_computed += count
+            req.advance(count)
             self.cache.commit(req)
         self.cache.end_step()
         for req, token in tokens.items():
@@ -539,17 +540,19 @@ class InferenceEngine:
     def _record_step(
         self,
         work: list[tuple[Request, int]],
+        decode: int,
         before: tuple[int, int, int, int],
         started: float,
         appended: list[tuple[int, int]],
     ) -> None:
         """Close the step: count it, and record what changed (deltas of the counters, tokens, changed pages).
 
-        Changes made between steps (a cancel, a ``clear()``) are recorded with the next step.
+        ``decode``: how many of the step's tokens were decodes, counted before the step ended any request (an ended
+        request's progress is reset, so its last token looked like a prefill). Changes made between steps (a
+        cancel, a ``clear()``) are recorded with the next step.
         """
         self.steps += 1
         evictions, preemptions, hits, queries = (now - then for now, then in zip(self._counters(), before, strict=True))
-        decode = sum(1 for req, count in work if count == 1 and req.num_computed > req.prompt_len)
         sample_ = StepSample(
             step=self.steps,
             time=time.time(),
@@ -646,6 +649,7 @@ def _info(req: Request) -> RequestInfo:
         cached_tokens=req.cached_tokens,
         generated_tokens=generated,
         preemptions=req.preemptions,
+        recomputed_tokens=req.recomputed_tokens,
         prompt_ids=tuple(req.prompt_ids),
         output_ids=tuple(req.output_ids),
         ttft=(req.first_token_at - req.submitted_at) if req.first_token_at else None,

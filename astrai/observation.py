@@ -196,3 +196,6 @@ class RequestInfo:
     ttft: float | None
     tokens_per_s: float | None
     error: str | None
+    # tokens computed again after preemptions took their KV (prompt or output; not what the cache served back);
+    # None: not reported (vLLM)
+    recomputed_tokens: int | None = None

@@ -37,6 +37,8 @@ class Request:
     pages: list[int] = field(default_factory=list)
     page_keys: list[PageKey] = field(default_factory=list)  # chain keys of the leading full pages
     num_computed: int = 0
+    computed_high: int = 0  # the most tokens it ever had KV for: below this, computing again is recomputing
+    recomputed_tokens: int = 0  # tokens computed again after a preemption took their KV (not served by the cache)
     indexed_pages: int = 0  # leading pages already in the prefix index (or checked against it)
     cached_tokens: int | None = None  # prefix hit at first admission, for the UI
     preemptions: int = 0
@@ -56,6 +58,17 @@ class Request:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.prompt_len :]
+
+    def advance(self, count: int) -> None:
+        """``count`` more tokens have KV now; those it had before a preemption count as recomputed."""
+        start, self.num_computed = self.num_computed, self.num_computed + count
+        self.recomputed_tokens += max(0, min(self.num_computed, self.computed_high) - start)
+        self.computed_high = max(self.computed_high, self.num_computed)
+
+    def decoded(self, count: int) -> int:
+        """Of the ``count`` tokens it computes next, those that are decodes: generated tokens computed for the first
+        time. The rest is prefill: the prompt, and whatever a preemption made it compute again."""
+        return max(0, self.num_computed + count - max(self.num_computed, self.prompt_len, self.computed_high))
 
     @property
     def done(self) -> bool:

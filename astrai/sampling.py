@@ -10,6 +10,9 @@ import torch
 from astrai.device import to_device
 
 MAX_SEED = 2**63 - 1
+# Below this a temperature is greedy, as in vLLM (its _SAMPLING_EPS): dividing float32 logits by a smaller one
+# overflows them to infinities (1e-45 is 0 in float32), whose softmax is NaN, and the sampled text was garbage.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
@@ -17,7 +20,7 @@ class SamplingParams:
     """Per-call sampling settings; every request of one ``generate`` call shares them."""
 
     max_tokens: int = 64
-    temperature: float = 0.0  # 0 means greedy
+    temperature: float = 0.0  # 0 (or anything below GREEDY_BELOW) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k cut
     seed: int | None = None
@@ -38,7 +41,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def _is_real(value: object) -> bool:

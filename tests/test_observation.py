@@ -166,3 +166,28 @@ def test_importing_astrai_imports_no_ui_library():
     code = "import sys, astrai, astrai.playground; print(sorted({'gradio', 'plotly', 'pandas'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_history_counts_every_prompt_token_as_prefill_and_every_later_token_as_decode(model, tokenizer):
+    """A request's last decode token was counted as prefill: the loop ended the request (which resets its progress)
+    before it counted the step. Counted before, a run of N prompt tokens and G generated ones is N prefill tokens and
+    G - 1 decode tokens (the last sampled token is never computed), whatever ends the request."""
+    with InferenceEngine(model, tokenizer, page_size=4, n_pages=64, compile=False) as engine:
+        prompts = ["Once upon a time there was a cat", "The dog"]
+        engine.generate(prompts, max_tokens=5, temperature=0.0)
+        infos = engine.request_info(list(range(0, 10**6)))[-2:]
+        history = engine.history()
+        assert sum(s.prefill_tokens for s in history) == sum(i.prompt_tokens for i in infos)
+        assert sum(s.decode_tokens for s in history) == sum(i.generated_tokens - 1 for i in infos)
+        assert history[-1].decode_tokens == len(prompts) and history[-1].prefill_tokens == 0
+
+
+def test_a_preempted_request_counts_what_it_computes_again(tight, tokenizer):
+    """Recomputation after a preemption is real prefill work: each request says how many tokens it computed again,
+    and they add up to the history's prefill tokens beyond the prompts' uncached tokens."""
+    tight.generate(PROMPTS, max_tokens=40)
+    infos = [i for i in tight.request_info(list(range(0, 10**6))) if i.status == "finished"][-len(PROMPTS) :]
+    assert any(i.preemptions for i in infos), "the scenario must preempt to test anything"
+    assert all((i.recomputed_tokens > 0) == (i.preemptions > 0) for i in infos), infos
+    first_pass = sum(i.prompt_tokens - i.cached_tokens for i in infos)
+    assert sum(s.prefill_tokens for s in tight.history()) == first_pass + sum(i.recomputed_tokens for i in infos)

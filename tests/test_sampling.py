@@ -42,3 +42,11 @@ def test_greedy_and_sampled_rows_in_one_batch(device):
     params = [SamplingParams(), SamplingParams(temperature=1.0, top_k=1), SamplingParams(), SamplingParams()]
     generators = [None, torch.Generator(device=device).manual_seed(0), None, None]
     assert sample(logits, params, generators) == [0, len(PROBS) - 1, 0, len(PROBS) - 1]
+
+
+def test_a_temperature_too_small_for_float32_is_greedy(device):
+    """1e-45 is 0 in float32: the logits divided by it were infinities, their softmax NaN, the text garbage. Below
+    vLLM's 1e-5 a temperature is greedy; just above it, sampling is finite and picks the argmax of these logits."""
+    assert SamplingParams(temperature=1e-45).greedy and SamplingParams(temperature=9e-6).greedy
+    assert set(draws(SamplingParams(temperature=1e-45), device, n=5)) == {0}
+    assert set(draws(SamplingParams(temperature=1e-5), device, n=20)) == {0}
