@@ -33,7 +33,7 @@ class KVCacheEvent(msgspec.Struct, tag=True, omit_defaults=True, frozen=True):
     """Base of the tagged events: encoded as a map with ``"type": <class name>``."""
 
 
-class BlockStored(KVCacheEvent):
+class BlockStored(KVCacheEvent, frozen=True):
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
     token_ids: list[int]
@@ -50,7 +50,7 @@ class BlockStored(KVCacheEvent):
     session_id: str | None = None
 
 
-class BlockRemoved(KVCacheEvent):
+class BlockRemoved(KVCacheEvent, frozen=True):
     block_hashes: list[BlockHash]
     medium: str | None = None
     group_idx: int | None = None
@@ -58,7 +58,7 @@ class BlockRemoved(KVCacheEvent):
     ownership: str | None = None
 
 
-class AllBlocksCleared(KVCacheEvent):
+class AllBlocksCleared(KVCacheEvent, frozen=True):
     pass
 
 
@@ -77,15 +77,15 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, frozen=T
 
 # The same events as tagged arrays (vLLM before PR #42892, SGLang): one decoder per encoding, since msgspec does not
 # mix array-like and map structs in one union. Decoded, they become the map classes above.
-class _ArrayStored(BlockStored, array_like=True, tag="BlockStored"):
+class _ArrayStored(BlockStored, array_like=True, tag="BlockStored", frozen=True):
     pass
 
 
-class _ArrayRemoved(BlockRemoved, array_like=True, tag="BlockRemoved"):
+class _ArrayRemoved(BlockRemoved, array_like=True, tag="BlockRemoved", frozen=True):
     pass
 
 
-class _ArrayCleared(AllBlocksCleared, array_like=True, tag="AllBlocksCleared"):
+class _ArrayCleared(AllBlocksCleared, array_like=True, tag="AllBlocksCleared", frozen=True):
     pass
 
 
