@@ -24,6 +24,7 @@ ASTRAI_ALLOW_HUB_MODELS=1.
 """
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -98,7 +99,17 @@ def make_engines(args: argparse.Namespace):
 # the engine's own lines (a first start compiling the model, an engine serving eager and why) reach the console
 logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
 logging.getLogger("astrai").setLevel(logging.INFO)
+def check_knobs() -> None:
+    """The operator's environment knobs (astrai/playground/knobs.py), checked before anything starts: one out of its
+    range is one line and an exit, not a traceback."""
+    try:
+        importlib.import_module("astrai.playground.knobs")
+    except ValueError as exc:
+        sys.exit(f"app.py: {exc}")
+
+
 ARGS = parse_args()
+check_knobs()
 demo = create_app(make_engines(ARGS), allow_hub_models=ARGS.allow_hub_models)
 
 if __name__ == "__main__":

@@ -288,6 +288,7 @@ class InferenceEngine:
         with self._lock:
             freed = self.cache.clear()
             self._emit(CacheCleared, pages=freed)
+            self._work_arrived.notify_all()  # an idle loop records the change as a step of its own
             return freed
 
     # ----- the observation API ----------------------------------------------------------------------------
@@ -453,7 +454,7 @@ class InferenceEngine:
         try:
             while True:
                 with self._lock:
-                    while not self._closed and not self._cancelled and not self.scheduler.has_work():
+                    while not (self._closed or self._cancelled or self.scheduler.has_work() or self.pool.touched):
                         self._release_pool()  # idle: free the OpenMP workers, which would slow other engines' steps
                         self._work_arrived.wait()
                     if self._closed:
@@ -481,7 +482,10 @@ class InferenceEngine:
                 work = self.scheduler.schedule()
             if not work:
                 with self._lock:
-                    self._work_arrived.wait(0.01)
+                    if self.pool.touched:  # a cancel or clear() changed pages between steps: a step records it
+                        self._record_step([], 0, before, started, [])
+                    else:
+                        self._work_arrived.wait(0.01)
                 return
             decode = sum(req.decoded(count) for req, count in work)  # before the step ends any request
             logits = self.runner.step(work)
@@ -567,6 +571,7 @@ class InferenceEngine:
             evictions=evictions,
             preemptions=preemptions,
             requests=tuple(req.id for req, _ in work),
+            admitted=tuple(self.scheduler.take_admitted()),
             sampled=tuple(appended),
             page_changes=tuple(self._page_records(self.pool.take_touched())),
         )
@@ -590,6 +595,7 @@ class InferenceEngine:
         self.scheduler.remove(req)
         req.status = status
         req.finished_at = time.monotonic()
+        req.ended_step = self.steps + 1  # the step in progress (or, between steps, the next): its sample records it
         self._outputs.pop(req.id, None)
         self._live.pop(req.id, None)
         self._ended[req.id] = req
@@ -650,6 +656,7 @@ def _info(req: Request) -> RequestInfo:
         generated_tokens=generated,
         preemptions=req.preemptions,
         recomputed_tokens=req.recomputed_tokens,
+        ended_step=req.ended_step,
         prompt_ids=tuple(req.prompt_ids),
         output_ids=tuple(req.output_ids),
         ttft=(req.first_token_at - req.submitted_at) if req.first_token_at else None,

@@ -179,6 +179,9 @@ class StepSample:
     requests: tuple[int, ...]  # requests the step computed
     sampled: tuple[tuple[int, int], ...]  # (request, token id) for every token this step appended
     page_changes: tuple[PageRecord, ...]  # pages whose state, refs or owners changed, in order of their last change
+    # (request, prompt tokens, prompt tokens served by the cache) of each first admission the step counted in
+    # ``hit_tokens`` / ``query_tokens`` (a vLLM server's: when the usage of a request says so)
+    admitted: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -199,3 +202,5 @@ class RequestInfo:
     # tokens computed again after preemptions took their KV (prompt or output; not what the cache served back);
     # None: not reported (vLLM)
     recomputed_tokens: int | None = None
+    ended_step: int | None = None  # the step whose sample records its end, its pages given back; None: still live,
+    # or not reported (vLLM)

@@ -46,6 +46,7 @@ class Request:
     submitted_at: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     finished_at: float | None = None
+    ended_step: int | None = None  # the engine step whose sample records its end (its pages given back)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

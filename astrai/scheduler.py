@@ -32,6 +32,12 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last is the newest
         self.preemptions = 0
         self._emit = emit
+        self._admitted: list[tuple[int, int, int]] = []  # (request, prompt tokens, cached) of first admissions
+
+    def take_admitted(self) -> list[tuple[int, int, int]]:
+        """The first admissions since the last call: (request, prompt tokens, prompt tokens served by the cache)."""
+        admitted, self._admitted = self._admitted, []
+        return admitted
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -79,6 +85,8 @@ class Scheduler:
             self.cache.mark_pending(req, req.num_computed + count)
             hit = req.num_computed  # the tokens the prefix cache served: prompt first, then any output
             cached_prompt = min(hit, req.prompt_len)
+            if req.preemptions == 0 and self.cache.prefix_caching:  # what the hit counters count (kv_cache_manager)
+                self._admitted.append((req.id, req.prompt_len, cached_prompt))
             self._emit(
                 RequestAdmitted,
                 request=req.id,

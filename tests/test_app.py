@@ -197,7 +197,7 @@ def test_another_session_never_sees_my_text_and_isolation_works(server_url):
     assert "Zanzibar" not in json.dumps(bob.predict(api_name="/refresh"))
 
     def bob_cached(isolate: bool) -> int:
-        args = run_args([secret], 4) | {"shared_prefix": "", "isolate_cache": isolate}
+        args = run_args([secret], 4) | {"shared_prefix": "", "cache_namespace": "mine" if isolate else "shared"}
         bob.predict(**args, api_name="/run")
         badge = bob.predict(api_name="/after_run")[0]
         return int(re.search(r"\*\*(\d+)\*\* cached", badge).group(1))

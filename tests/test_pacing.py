@@ -21,15 +21,3 @@ def test_a_stalled_run_does_not_burst_to_catch_up():
     arrivals = [0.0, 0.01, 1.0, 1.001, 1.002, 1.01, 1.019, 1.05]  # a second with no delta, then a flurry
     sent = messages(arrivals, 0.04)
     assert sent == [0.0, 1.0, 1.05]
-
-
-def test_the_operator_sets_how_many_runs_stream_at_once():
-    """README's knob ``ASTRAI_RUN_CONCURRENCY`` reaches the run event's concurrency limit (a re-cut once dropped it)."""
-    import os
-    import subprocess
-    import sys
-
-    code = "from astrai.playground.callbacks import run; print(run.RUN_CONCURRENCY)"
-    env = {**os.environ, "ASTRAI_RUN_CONCURRENCY": "5"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "5"

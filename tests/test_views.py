@@ -88,8 +88,28 @@ def test_a_running_badge_shows_only_settled_figures_so_it_changes_rarely():
 
 
 def test_token_highlights_mark_cached_tokens_and_special_tokens():
-    pieces = views.token_highlights(info(cached_tokens=2), decode, special_ids={0})
+    pieces = views.token_highlights(info(cached_tokens=2), views.readable(decode, {0}))
     assert pieces == [(views.SPECIAL_TOKEN_TEXT, "cached"), ("<5>", "cached"), ("<6>", "computed")]
+
+
+def test_a_special_token_reads_the_same_in_every_view():
+    """The start-of-text token read "⟨s⟩" in the prompt's tokens but its raw text in the page hovers and the tree:
+    every view writes tokens through ``readable``."""
+    shown = views.readable(decode, {0})
+    assert shown([0, 5, 0, 6]) == f"{views.SPECIAL_TOKEN_TEXT}<5>{views.SPECIAL_TOKEN_TEXT}<6>"
+    pages = page_rules.page_views([record(0, "cached", stored_by=1, tokens=(0, 5))], OWNERS, ME, set(), shown)
+    assert pages[0].text == f"{views.SPECIAL_TOKEN_TEXT}<5>"
+    shape = tree.prefix_tree([record(0, "cached", stored_by=1, tokens=(0, 5))], [], OWNERS, ME, shown)
+    assert shape.nodes[0].label == f"{views.SPECIAL_TOKEN_TEXT}<5>"
+
+
+def test_with_prefix_caching_off_badges_and_rows_say_off_not_zero_cached():
+    off = info(status="finished", cached_tokens=0)
+    assert "prefix caching off" in views.badge(off, caching=False) and "cached" not in views.badge(off, False)
+    assert views.request_rows([off], ["p"], caching=False)[0][4] == "off"
+    assert {label for _, label in views.token_highlights(off, views.readable(decode, set()), False)} == {
+        "computed (caching off)"
+    }
 
 
 def stats(**changes) -> CacheStats:
@@ -178,8 +198,16 @@ def test_the_engine_line_names_the_pool_and_who_shares_it():
 def test_a_run_whose_requests_are_unknown_has_no_summary_rather_than_an_error():
     """An engine that stopped under a run knows none of its requests: the summary is None (it raised
     AttributeError on the None entries)."""
-    assert views.run_summary([None, info()], total_s=1.0) is None
-    assert views.run_summary([info(), info(cached_tokens=8)], total_s=1.0).computed_tokens == 8 + 32
+    assert views.run_summary([None, info()]) is None
+    assert views.run_summary([info(), info(cached_tokens=8)]).computed_tokens == 8 + 32
+
+
+def test_what_caching_saved_counts_the_tokens_preemptions_made_it_compute_again():
+    """48 prompt tokens computed where the engine ran 308 after 3 preemptions: recomputation is prefill work."""
+    summary = views.run_summary([info(cached_tokens=0, prompt_tokens=48, preemptions=3, recomputed_tokens=260)])
+    assert summary is not None and summary.computed_tokens == 308 and summary.recomputed_tokens == 260
+    note = views.savings_note(summary, None, small_model=True, bigger_model=False)
+    assert "**308** prefill tokens were computed for 48 prompt tokens" in note and "260 were computed again" in note
 
 
 def test_long_histories_are_thinned_for_the_browser_but_keep_their_ends():
@@ -211,3 +239,17 @@ def test_the_prefix_tree_keeps_every_page_as_a_node_when_small_and_collapses_cha
     large = tree.prefix_tree(chain(200, branch_at=99), [], OWNERS, ME, decode)
     assert large.pages == 201 and sum(len(n.pages) for n in large.nodes) == 201
     assert len(large.nodes) == 3  # pages 0-99, the branch, and pages 100-199: split where the chain branches
+
+
+def test_the_tree_draws_the_last_run_and_gathers_the_rest_but_counts_the_whole_index():
+    """Lesson step 4's tree was crowded by every earlier run: with a focus, the run's pages (and the pages they chain
+    from, which it hit) are drawn and the rest gathered into one node; the counts stay the whole index's."""
+    records = chain(5, branch_at=2)  # k0..k4 and b (under k2), stored by request 2
+    records[4] = dataclasses.replace(records[4], stored_by=7)  # k4: another session's
+    focused = tree.prefix_tree(records, [], OWNERS, ME, decode, focus={99})
+    assert focused.pages == 6 and focused.focused == 0 and focused.others == 6
+    only_b = [r if r.key != b"b" else dataclasses.replace(r, stored_by=99) for r in records]
+    shape = tree.prefix_tree(only_b, [], {**OWNERS, 99: Owner(ME, 0)}, ME, decode, focus={99})
+    drawn = {n.id for n in shape.nodes}
+    assert drawn == {b"b".hex(), b"k2".hex(), b"k1".hex(), b"k0".hex(), tree.OTHERS}
+    assert shape.pages == 6 and shape.focused == 4 and shape.others == 2 and shape.cached == 6

@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
-import gradio as gr
 import pytest
 
 from astrai.observation import CacheSnapshot
 from astrai.playground import state
-from astrai.playground.backends.engines import LocalEngines
 from astrai.playground.backends.profiles import DEFAULT_PROFILE, SMALL_POOL_PROFILE
-from astrai.playground.callbacks.context import Context
-from astrai.playground.callbacks.live import LiveCallbacks
-from astrai.playground.callbacks.pacing import StreamingRuns
-from astrai.playground.callbacks.replay import ReplayCallbacks
-from astrai.playground.callbacks.run import RunCallbacks
-from astrai.playground.scenarios import Lesson
 from astrai.playground.state import KEEP_RECORDINGS, Visitors
-from astrai.playground.ui.layout import build_layout
 from astrai.playground.views.replay import Recording
+from tests.support.playground import playground, request
 
 OPEN_TABS = 200
 
@@ -58,27 +48,16 @@ def test_visitors_count_by_engine(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def playground():
-    engines = LocalEngines(idle_retire_s=3600, compile=False)
-    lesson = Lesson.for_deployment(routers=0)
-    with gr.Blocks():
-        ui = build_layout(engines.default, list(engines.model_choices()), engines.chooses_pools, lesson)
-    ctx = Context(engines, Visitors(engines.default), ui, StreamingRuns(), lesson)
-    runs = RunCallbacks(ctx)
-    yield ctx, runs, LiveCallbacks(ctx, runs), ReplayCallbacks(ctx)
-    engines.shutdown()
+def pg():
+    with playground() as pg:
+        yield pg
 
 
-def request(session: str):
-    return SimpleNamespace(session_hash=session)
-
-
-def test_two_hundred_polling_tabs_leave_an_active_visitors_replay(playground):
+def test_two_hundred_polling_tabs_leave_an_active_visitors_replay(pg):
     """The 1 Hz refresh used to move each polling tab to the front of the visitor LRU: past 128 open tabs, every
     visitor's state (their replay among it) was evicted each second."""
-    ctx, runs, live, replays = playground
-    fields = {name: component.value for name, component in ctx.ui.run_fields().items()}
-    for _ in runs.run(fields | {"max_tokens": 8}, request("active")):
+    runs, live, replays = pg.runs, pg.live, pg.replays
+    for _ in runs.run(pg.fields(max_tokens=8), request("active")):
         pass
     runs.after_run(request("active"))
     recorded = replays.page_map_at(3, request("active"))
@@ -89,13 +68,12 @@ def test_two_hundred_polling_tabs_leave_an_active_visitors_replay(playground):
     assert replays.page_map_at(3, request("active")) == recorded
 
 
-def test_the_live_view_fills_in_the_badges_while_a_run_streams(playground):
+def test_the_live_view_fills_in_the_badges_while_a_run_streams(pg):
     """TTFT shows in a panel's badge as soon as the live view knows it, not only when the run ends (``after_run``).
     The run is held mid-stream here (its generator not resumed): in a browser, whether a 1 Hz tick falls inside a
     run decided the outcome, and the engine got fast enough for a whole run to end between two ticks (CI)."""
-    ctx, runs, live, _ = playground
-    fields = {name: component.value for name, component in ctx.ui.run_fields().items()}
-    stream = runs.run(fields | {"max_tokens": 64}, request("teacher"))
+    ctx, runs, live = pg.ctx, pg.runs, pg.live
+    stream = runs.run(pg.fields(max_tokens=64), request("teacher"))
     first_badge = ctx.ui.panels.badges[0]
     shown = ""
     for _ in stream:  # each update of the streaming text; the run is still on at each

@@ -189,7 +189,7 @@ def run_args(panels: list[str], max_tokens: int, prefix: str = PREFIX) -> dict:
         top_p=1,
         top_k=0,
         seed=0,
-        isolate_cache=False,
+        cache_namespace="shared",
     )
 
 

@@ -4,8 +4,16 @@ watch."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
-from astrai.playground.backends.profiles import DEFAULT_PROFILE, SMALL_POOL_PROFILE, Profile
+from astrai.playground.backends.profiles import DEFAULT_PROFILE, SMALL_POOL_PROFILE, Profile, without_caching
+
+Namespace = Literal["shared", "mine", "fresh"]
+NAMESPACES: dict[Namespace, str] = {  # the run form's choice, in words
+    "shared": "shared with everyone on this engine",
+    "mine": "mine (the hash salted with my session)",
+    "fresh": "fresh for each run (a cold cache)",
+}
 
 
 @dataclass(frozen=True)
@@ -16,7 +24,13 @@ class Scenario:
     prefix: str = ""
     max_tokens: int = 64
     profile: Profile = DEFAULT_PROFILE  # the engine it runs on, shared by every visitor on this scenario
+    # which cached pages a run may hit: everyone's on the engine, the visitor's own, or only its own run's. A claim
+    # about a first run ("no panel gets a cached token") holds for every visitor only in a fresh namespace: on a
+    # shared engine the same prompts, run earlier by anyone, would be hit.
+    namespace: Namespace = "shared"
 
+
+FOLLOW_UP = " Then"  # what Follow-up turn appends after each prompt and its answer
 
 # Both "same page" prompts end with this after a first sentence of equal token count, so from the second page on
 # their pages hold equal tokens (checked by tests/test_scenarios.py).
@@ -28,8 +42,9 @@ SHARED_TAIL = (
 SCENARIOS = [
     Scenario(
         name="Shared system prompt",
-        explanation="All panels start with the same prefix. Its full pages are computed once, by the first panel, "
-        "and the others hit them in the same run: watch the hit badges and the shared (x-marked) pages in the map.",
+        explanation="All panels start with the same prefix. Each run starts from a cold cache of its own, so its "
+        "full pages are computed once, by the first panel, and the others hit them in the same run: watch the hit "
+        "badges and the shared (x-marked) pages in the map.",
         prefix="Once upon a time, in a small village by the sea, there lived a kind old fisherman named Tom. "
         "Every morning he took his little boat out on the water, and every evening he came home with fish "
         "for his friends. ",
@@ -39,17 +54,23 @@ SCENARIOS = [
             "One day, a big storm",
             "One day, a little girl named Lily",
         ],
+        namespace="fresh",
     ),
     Scenario(
         name="Distinct prompts (no hits)",
-        explanation="Nothing is shared, so every prompt token is computed: the hit rate stays at 0 and each panel "
-        "owns its own pages.",
+        explanation="Each prompt fills two full pages, but no two start alike, and each run starts from a cold cache "
+        "of its own: every prompt token is computed, the run's hit rate is 0 and each panel owns its own pages.",
         prompts=[
-            "The little dog ran to the park",
-            "Lily wanted to bake a cake",
-            "Ben and Mia found a box",
-            "The sun was hot and the bird",
+            "The little dog ran to the park with his red ball. He wanted to find his friend, the big brown cat, who "
+            "liked to sleep under the old tree.",
+            "Lily wanted to bake a cake for her mom. She got flour, eggs and sugar from the kitchen, and her dad "
+            "helped her mix them in a big bowl.",
+            "Ben and Mia found a box in the garden. It was old and dirty, and when they opened it, they saw a small "
+            "toy car and a shiny key inside.",
+            "The sun was hot and the bird was thirsty. It flew over the town to look for water, and at last it saw a "
+            "little pond near a farm.",
         ],
+        namespace="fresh",
     ),
     Scenario(
         name="Eviction pressure (small pool)",
@@ -69,18 +90,22 @@ SCENARIOS = [
     Scenario(
         name="Same page, different prefix",
         explanation="Both prompts end with the same long sentence, starting at the same offset, so their later pages "
-        "hold equal tokens. They still do not hit: a page's key chains the hash of every page before it.",
+        "hold equal tokens. They still do not hit: a page's key chains the hash of every page before it. Each run "
+        "starts from a cold cache of its own, and the prefix tree shows your last run's pages.",
         prompts=[
             "Lily had a red ball. " + SHARED_TAIL,
             "Tom had a big kite. " + SHARED_TAIL,
         ],
+        namespace="fresh",
     ),
     Scenario(
         name="Follow-up turn",
-        explanation="Run once, then press 'Follow-up turn': each prompt becomes prompt + answer + a new line. "
-        "Run again and watch the pages filled by the answer hit, not just the prompt's.",
+        explanation=f"Run once, then press 'Follow-up turn': each prompt becomes prompt + answer + '{FOLLOW_UP}'. "
+        "Run again and watch the pages filled by the answer hit, not just the prompt's. Your runs share a namespace "
+        "of your own, so only your first turn's pages can be hit.",
         prompts=["Once upon a time there was a little cat named Kitty", "Ben found a shiny stone in the river"],
         max_tokens=48,
+        namespace="mine",
     ),
 ]
 # A fleet behind two routers (round_robin and a prefix-aware policy) gets one more scenario and lesson step. Each
@@ -111,7 +136,6 @@ TENANTS = Scenario(
 )
 ROUTING_WAVES = (" What is there to see?", " Who lives there?", " What happens at night?")
 SCENARIO_BY_NAME = {s.name: s for s in (*SCENARIOS, TENANTS)}
-FOLLOW_UP = " Then"
 
 
 @dataclass(frozen=True)
@@ -136,8 +160,8 @@ LESSON = [
         "2. Nothing shared, nothing hit",
         "Distinct prompts (no hits)",
         "plot_2",
-        "Press Run. No two prompts start alike, so no panel gets a cached token: the dots of this run in the hit "
-        "rate chart sit at 0%.",
+        "Press Run. Every prompt fills two full pages, but no two start alike and the run starts from a cold cache, "
+        "so no panel gets a cached token: the dots of this run in the hit rate chart sit at 0%.",
     ),
     LessonStep(
         "3. Eviction: the LRU gives pages back",
@@ -151,7 +175,7 @@ LESSON = [
         "Same page, different prefix",
         "prefix_tree",
         "Press Run. Both prompts hold a page with the very same tokens, yet the second gets 0 cached tokens: each "
-        "page's key hashes every page before it, so the tree shows two separate branches from the root.",
+        "page's key hashes every page before it, so the tree of your run shows two separate branches from the root.",
     ),
     LessonStep(
         "5. A follow-up turn hits the answer too",
@@ -164,11 +188,16 @@ LESSON = [
         "6. Caching off versus on",
         "Shared system prompt",
         "savings",
-        "Press Compare with caching off. The same batch runs twice, with and without the prefix cache: caching on "
-        "computes fewer prefill tokens (the bars on the left).",
+        "Press Compare with caching off. The same batch runs twice, once with the prefix cache and once on an "
+        "engine without it: caching on computes fewer prefill tokens (the bars on the left), and its first tokens "
+        "come no later.",
     ),
 ]
-LESSON_PROFILES = tuple(dict.fromkeys(SCENARIO_BY_NAME[step.scenario].profile for step in LESSON))
+# Built at start: the engines the lesson's steps run on, and the one step 6 compares the default engine with.
+LESSON_PROFILES = (
+    *dict.fromkeys(SCENARIO_BY_NAME[step.scenario].profile for step in LESSON),
+    without_caching(DEFAULT_PROFILE),
+)
 ROUTING_STEP = LessonStep(
     "7. Routing decides what is reused",
     TENANTS.name,

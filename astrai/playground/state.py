@@ -13,9 +13,11 @@ a visitor nor moves one up the order, so hundreds of idle tabs cannot push an ac
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from astrai.playground.backends.profiles import Profile
@@ -37,6 +39,7 @@ class ShownRun:
     request_ids: tuple[int, ...]
     prompts: tuple[str, ...]
     profile: Profile  # the engine it ran on (its request ids are that engine's)
+    caching: bool = True  # its engine looked prompts up in a prefix cache (off: the badges say so, not "0 cached")
 
 
 @dataclass(frozen=True)
@@ -75,8 +78,9 @@ class Visitors:
         self._visitors: OrderedDict[str, Visitor] = OrderedDict()  # least recently active first
         self._owners: OrderedDict[int, Owner] = OrderedDict()
         self._polling: OrderedDict[str, float] = OrderedDict()  # tabs that only poll: session -> last seen
-        self._counts: Counter[Profile] = Counter()  # visitors by profile, as counted at _counted_at
+        self._recent: dict[Profile, set[str]] = {}  # sessions by profile, as counted at _counted_at
         self._counted_at = float("-inf")
+        self._runs: Counter[tuple[Profile, str]] = Counter()  # runs streaming now, by engine and session
 
     def act(self, session: str) -> Visitor:
         """The visitor doing something (a run, a replay, a lesson step): created if new, moved to the front."""
@@ -107,16 +111,44 @@ class Visitors:
         return visitor
 
     def on(self, profile: Profile) -> int:
-        """Visitors on ``profile``'s engine seen recently (at least the caller, who just polled or acted). Counted
-        at most once a second for all profiles: every open tab asks each second."""
+        """Visitors on ``profile``'s engine (at least the caller, who just polled or acted): those whose view is on
+        it, seen recently, and those whose run streams on it, wherever they went since. Counted at most once a
+        second for all profiles (every open tab asks each second); runs, at once."""
+        return max(len(self._on(profile)), 1)
+
+    def others_on(self, profile: Profile, session: str) -> int:
+        """Visitors other than ``session`` on ``profile``'s engine now (``on``'s count): their pages are in its pool,
+        and an action on the whole pool (Clear cache) would change their runs or their view."""
+        return len(self._on(profile) - {session})
+
+    def _on(self, profile: Profile) -> set[str]:
         now = time.monotonic()
         with self._lock:
             if now - self._counted_at >= COUNT_EVERY_S:
-                recent = [v.profile for v in self._visitors.values() if now - v.seen_at <= SEEN_WITHIN_S]
-                # a tab that only polls is on the default engine
-                recent += [self._default for seen in self._polling.values() if now - seen <= SEEN_WITHIN_S]
-                self._counts, self._counted_at = Counter(recent), now
-            return max(self._counts[profile], 1)
+                recent: dict[Profile, set[str]] = {}
+                for session, visitor in self._visitors.items():
+                    if now - visitor.seen_at <= SEEN_WITHIN_S:
+                        recent.setdefault(visitor.profile, set()).add(session)
+                for session, seen in self._polling.items():  # a tab that only polls is on the default engine
+                    if now - seen <= SEEN_WITHIN_S:
+                        recent.setdefault(self._default, set()).add(session)
+                self._recent, self._counted_at = recent, now
+            running = {session for (on, session), runs in self._runs.items() if on == profile and runs > 0}
+            return self._recent.get(profile, set()) | running
+
+    @contextlib.contextmanager
+    def running(self, profile: Profile, session: str) -> Iterator[None]:
+        """A run of ``session``'s streaming on ``profile``'s engine: for as long as it does, the visitor counts as
+        on that engine, even after moving to another scenario."""
+        with self._lock:
+            self._runs[(profile, session)] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._runs[(profile, session)] -= 1
+                if self._runs[(profile, session)] <= 0:
+                    del self._runs[(profile, session)]
 
     def register(self, request_ids: list[int], session: str) -> None:
         with self._lock:

@@ -20,27 +20,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+from transformers import PretrainedConfig
 
 from astrai import SUPPORTED_DTYPES, InferenceEngine
 from astrai.checkpoints import load_checkpoint
 from astrai.model_runner import kv_bytes_per_token
+from astrai.playground import knobs
 from astrai.playground.backends.local import LocalBackend
-from astrai.playground.backends.profiles import DEFAULT_PROFILE, Profile, model_choices
+from astrai.playground.backends.profiles import DEFAULT_PROFILE, Profile, model_choices, without_caching
 from astrai.playground.backends.protocol import BackendError, EngineLimitReached, EngineView, Progress
 
 log = logging.getLogger("astrai.playground")
-
-MAX_ENGINES = int(os.environ.get("ASTRAI_MAX_ENGINES", 6))
-MAX_CUSTOM_ENGINES = int(os.environ.get("ASTRAI_MAX_CUSTOM_ENGINES", 3))
-KV_BUDGET_MB = float(os.environ.get("ASTRAI_KV_BUDGET_MB", 1024))
-IDLE_RETIRE_S = float(os.environ.get("ASTRAI_ENGINE_IDLE_S", 600))
 
 
 @dataclass
@@ -58,7 +54,7 @@ class _Slot:
 class _Model:
     model: torch.nn.Module
     tokenizer: object
-    config: object
+    config: PretrainedConfig
 
 
 class LocalEngines:
@@ -72,10 +68,10 @@ class LocalEngines:
         *,
         preload: tuple[Profile, ...] = (),
         allow_hub: bool = False,
-        max_engines: int = MAX_ENGINES,
-        max_custom: int = MAX_CUSTOM_ENGINES,
-        kv_budget_mb: float = KV_BUDGET_MB,
-        idle_retire_s: float = IDLE_RETIRE_S,
+        max_engines: int = knobs.MAX_ENGINES,
+        max_custom: int = knobs.MAX_CUSTOM_ENGINES,
+        kv_budget_mb: float = knobs.KV_BUDGET_MB,
+        idle_retire_s: float = knobs.ENGINE_IDLE_S,
         compile: bool | None = None,
     ):
         """``compile``: the engines serve the model compiled or eager; None, the engine's default (compiled on the
@@ -86,9 +82,10 @@ class LocalEngines:
         self._max_engines, self._max_custom = max_engines, max_custom
         self._kv_budget = int(kv_budget_mb * 2**20)
         self._idle_retire_s = idle_retire_s
-        self._lock = threading.Lock()  # guards _slots and _models
+        self._lock = threading.Lock()  # guards _slots, _models and _configs; never held while building or fetching
         self._slots: dict[Profile, _Slot] = {}
         self._models: dict[tuple[str, str], _Model] = {}
+        self._configs: dict[str, PretrainedConfig] = {}  # model label -> its config, read once
         self._closed = False
         self.ensure(default)  # the default engine is built before the app serves
         if preload:  # cheap on the embedded model: the lesson then switches instantly
@@ -113,10 +110,10 @@ class LocalEngines:
         if build:
             self._build(slot, progress)
         elif not slot.ready.is_set() and progress is not None:
-            progress(0.5, f"Another visitor is building the {profile.name} engine…")
+            progress(0.5, f"Another visitor is building {profile.engine}…")
         slot.ready.wait()
         if slot.error is not None or slot.backend is None:
-            raise BackendError(f"Could not build the {profile.name} engine: {slot.error}")
+            raise BackendError(f"Could not build {profile.engine}: {slot.error}")
         return slot.backend
 
     @contextlib.contextmanager
@@ -137,6 +134,9 @@ class LocalEngines:
 
     def view(self, profile: Profile, visitors: int) -> EngineView:
         return EngineView(name=profile.name, description=profile.settings.describe(), visitors=visitors)
+
+    def without_caching(self, profile: Profile) -> Profile:
+        return without_caching(profile)
 
     def shutdown(self) -> None:
         with self._lock:
@@ -161,16 +161,25 @@ class LocalEngines:
         profile.settings.validate()
         self._retire_idle()
         with self._lock:
-            if self._closed:
-                raise BackendError("The playground is shutting down.")
-            slot = self._slots.get(profile)
-            if slot is not None:
-                slot.last_used = time.monotonic()
-                return slot, False
-            slot = _Slot(profile, self._kv_bytes(profile))
+            if (existing := self._existing_locked(profile)) is not None:
+                return existing, False
+        kv_bytes = self._kv_bytes(profile)  # outside the lock: a hub model's config may come over the network
+        with self._lock:
+            if (existing := self._existing_locked(profile)) is not None:  # another visitor claimed it meanwhile
+                return existing, False
+            slot = _Slot(profile, kv_bytes)
             self._check_bounds(slot)
             self._slots[profile] = slot
             return slot, True
+
+    def _existing_locked(self, profile: Profile) -> _Slot | None:
+        """The profile's slot, marked used, if it has one; raises once the playground shuts down. Under ``_lock``."""
+        if self._closed:
+            raise BackendError("The playground is shutting down.")
+        slot = self._slots.get(profile)
+        if slot is not None:
+            slot.last_used = time.monotonic()
+        return slot
 
     def _check_bounds(self, new: _Slot) -> None:
         slots = list(self._slots.values())
@@ -194,17 +203,22 @@ class LocalEngines:
             )
 
     def _kv_bytes(self, profile: Profile) -> int:
+        """What the profile's KV pool takes, from its model's config: the loaded model's, else the config read once
+        and kept (a hub model's may come over the network). Never called under ``_lock``: every visitor's 1 Hz poll
+        takes it, and a fetch of 3 s held it for as long."""
         settings = profile.settings
-        model = self._models.get((profile.model, settings.dtype))
-        if model is None:  # not loaded yet: its config is enough (a hub model's may need the network)
+        with self._lock:
+            loaded = self._models.get((profile.model, settings.dtype))
+            config = loaded.config if loaded is not None else self._configs.get(profile.model)
+        if config is None:
             from transformers import AutoConfig
 
             try:
                 config = AutoConfig.from_pretrained(self._choices[profile.model], trust_remote_code=False)
             except (OSError, ValueError) as exc:
                 raise BackendError(f"Could not read {profile.model}'s config: {exc}") from exc
-        else:
-            config = model.config
+            with self._lock:
+                self._configs[profile.model] = config
         per_token = kv_bytes_per_token(config, SUPPORTED_DTYPES[settings.dtype])
         return settings.n_pages * settings.page_size * per_token
 
@@ -213,7 +227,7 @@ class LocalEngines:
         started = time.monotonic()
         try:
             if progress is not None:
-                progress(0.1, f"Building the {profile.name} engine ({settings.describe()})…")
+                progress(0.1, f"Building {profile.engine} ({settings.describe()})…")
             model = self._model(profile.model, settings.dtype)
             engine = InferenceEngine(
                 model.model,

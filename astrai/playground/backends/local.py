@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from collections.abc import Iterator
 
@@ -38,12 +39,15 @@ class LocalRun:
         self._stream.close()
 
 
+_generations = itertools.count(1)
+
+
 class LocalBackend:
-    """One engine and its label. Its generation never changes: a profile's engine is never rebuilt in place (a
-    retired engine's visitors get a new ``LocalBackend``)."""
+    """One engine and its label. Its generation is its own, unique in the process: a profile's engine is never
+    rebuilt in place, and the engine that replaces a retired one has another generation, so nothing recorded from the
+    old one (a replay, a live view's cursor) takes in the new one's steps, whose numbers start again."""
 
     derived: frozenset[str] = frozenset()  # the engine reports every field itself
-    generation = 1
     caveat = None  # the engine's page map is always whole
     replicas: tuple[ReplicaView, ...] = ()  # one engine: its own observation is the whole cache
     routers: tuple[RouterView, ...] = ()
@@ -51,6 +55,7 @@ class LocalBackend:
     def __init__(self, engine: InferenceEngine, label: str):
         self._engine = engine
         self._label = label
+        self.generation = next(_generations)
 
     @property
     def label(self) -> str:

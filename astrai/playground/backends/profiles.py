@@ -11,11 +11,13 @@ loading one downloads it into the shared process.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from astrai import SUPPORTED_DTYPES
+from astrai.playground import knobs
 
 EMBEDDED_MODEL = os.environ.get(
     "ASTRAI_EMBEDDED_MODEL", str(Path(__file__).resolve().parents[3] / "assets" / "models" / "tinystories-llama")
@@ -30,7 +32,7 @@ HUB_MODELS_ENV = "ASTRAI_ALLOW_HUB_MODELS"
 PAGE_SIZES = (4, 8, 16, 32, 64)
 DTYPES = tuple(SUPPORTED_DTYPES)
 POOL_PAGES = (8, 4096)
-BATCH_SIZES = (1, 64)
+BATCH_SIZES = (1, knobs.MAX_BATCH)
 
 
 def hub_models_allowed(flag: bool = False) -> bool:
@@ -47,7 +49,7 @@ def model_choices(allow_hub: bool) -> dict[str, str]:
 class EngineSettings:
     page_size: int = 16
     n_pages: int = 1024  # room for a full batch of 64 requests (~8 pages each: 16 four-panel runs) without preempting
-    max_batch_size: int = int(os.environ.get("ASTRAI_MAX_BATCH_SIZE", 64))  # docs/benchmarks.md: the load curve
+    max_batch_size: int = knobs.MAX_BATCH_SIZE  # docs/benchmarks.md: the load curve
     prefix_caching: bool = True
     dtype: str = "float32"
 
@@ -78,6 +80,12 @@ class Profile:
     custom: bool = field(default=False, compare=False)  # made from a visitor's settings: counts against the bound
 
     @property
+    def engine(self) -> str:
+        """Its engine in a sentence: "the “your own settings” engine" (a name in running text needs its quotes:
+        "Building the your own settings engine" read as a typo)."""
+        return f"the “{self.name}” engine"
+
+    @property
     def key(self) -> str:
         """A stable text key (gr.State and logs): equal profiles have equal keys."""
         s = self.settings
@@ -87,3 +95,11 @@ class Profile:
 
 DEFAULT_PROFILE = Profile()
 SMALL_POOL_PROFILE = Profile(settings=EngineSettings(page_size=16, n_pages=40, max_batch_size=8), name="small pool")
+
+
+def without_caching(profile: Profile) -> Profile:
+    """The same engine with prefix caching off: where Compare runs its second half. A pool of its own, so the
+    comparison's pages never take the place of anyone's cached pages, and its lookups never lower the hit rate of the
+    engine that visitors share."""
+    settings = dataclasses.replace(profile.settings, prefix_caching=False)
+    return Profile(profile.model, settings, name=f"{profile.name}, caching off", custom=profile.custom)

@@ -248,6 +248,11 @@ class Engines(Protocol):
 
     def view(self, profile: Profile, visitors: int) -> EngineView: ...
 
+    def without_caching(self, profile: Profile) -> Profile | None:
+        """The profile of an engine like ``profile``'s with prefix caching off, where Compare runs its second half;
+        None where every profile is served by one pool (a server's own)."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -287,6 +292,9 @@ class SingleServer:
         return EngineView(
             name="the server's own pool", description="its pool and batch are the server's", visitors=visitors
         )
+
+    def without_caching(self, profile: Profile) -> None:
+        return None  # the server's pool is the only one
 
     def shutdown(self) -> None:
         self._backend.shutdown()

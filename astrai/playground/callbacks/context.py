@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any, Literal, TypedDict
 
 import gradio as gr
+from gradio.components import Component
 
 from astrai.observation import RequestInfo
 from astrai.playground.backends.protocol import Backend, Engines, Served
@@ -14,10 +16,17 @@ from astrai.playground.scenarios import Lesson
 from astrai.playground.state import ShownRun, Visitors
 from astrai.playground.ui.components import Components
 
+
 # Events that show no progress also register none: Gradio's front end refreshes, at every status message of every
 # event (each streamed text message among them), the loading status of every component any event has shown progress
 # on, cloning its props. Left on all outputs, up to 56 components a message (tests/test_app.py keeps it at 3).
-QUIET = {"show_progress": "hidden", "show_progress_on": []}
+class Quiet(TypedDict):
+    show_progress: Literal["full", "minimal", "hidden"]
+    show_progress_on: list[Component]
+
+
+QUIET: Quiet = {"show_progress": "hidden", "show_progress_on": []}
+Update = dict[Component, Any]  # what a callback returns: values (or component updates) keyed by component
 SERVED_WAIT_S = 3.0  # how long a finished run waits for the replicas' KV events to name its requests' replica
 
 

@@ -7,13 +7,14 @@ out. While the visitor's own run streams, the badges fill in here too (TTFT as s
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import gradio as gr
 
-from astrai.observation import PageEvicted
-from astrai.playground.backends.protocol import BackendError
-from astrai.playground.callbacks.context import QUIET, Context, panel_label, session_of
+from astrai.observation import CacheStats, PageEvicted, PageRecord
+from astrai.playground.backends.protocol import Backend, BackendError
+from astrai.playground.callbacks.context import QUIET, Context, Update, panel_label, session_of
 from astrai.playground.callbacks.run import RunCallbacks
 from astrai.playground.views import charts, fleet, pages, series, text, tree
 
@@ -30,16 +31,30 @@ class LiveCursor:
     steps: int = -1
     settled: bool = False  # nothing moved at the last tick
     tick: int = 0
-    evicted: tuple[int, ...] = ()  # pages evicted since the tree was last drawn
+    evicted: tuple[PageEvicted, ...] = ()  # pages evicted since the tree was last drawn: its ghosts
     occupancy_at: float = 0.0
     badges: tuple[str, ...] = field(default=())  # the badges last sent
+
+
+@dataclass(frozen=True)
+class Look:
+    """Who is looking, and how they see pages: their session (the privacy rule), their last run's request ids (the
+    tree's focus; None before a run) and how tokens are written (special tokens as text.SPECIAL_TOKEN_TEXT)."""
+
+    session: str
+    focus: set[int] | None
+    decode: text.Decode
+
+
+def _readable(backend: Backend) -> text.Decode:
+    return text.readable(backend.decode, backend.special_ids())
 
 
 class LiveCallbacks:
     def __init__(self, ctx: Context, runs: RunCallbacks):
         self.ctx, self.ui, self.runs = ctx, ctx.ui, runs
 
-    def refresh(self, cursor: LiveCursor | None, request: gr.Request) -> dict:
+    def refresh(self, cursor: LiveCursor | None, request: gr.Request) -> Update:
         ctx, cache = self.ctx, self.ui.cache
         session = session_of(request)
         visitor = ctx.visitors.peek(session)
@@ -57,7 +72,7 @@ class LiveCallbacks:
         except BackendError as exc:  # a server away: say so, keep serving, try again at the next tick
             return {cache.stats: text.unreachable_line(backend.label, str(exc))}
         events = backend.events(after=0 if fresh else previous.seq)
-        evicted = [] if fresh else [e.page for e in events if isinstance(e, PageEvicted)]
+        evicted = [] if fresh else [e for e in events if isinstance(e, PageEvicted)]
         quiet = not fresh and not events and stats.steps == previous.steps
         now = replace(
             previous if not fresh else LiveCursor(),
@@ -72,7 +87,7 @@ class LiveCallbacks:
         states = _replica_states(backend)
         if states:
             line += "  \n" + fleet.fleet_line(states, [(r.policy, r.metrics()) for r in backend.routers])
-        update: dict = {cache.stats: line}
+        update: Update = {cache.stats: line}
         if visitor.streaming_since is not None or previous.badges:
             badges = self.runs.details(visitor, highlights=False)
             shown = tuple(badges[b] for b in self.ui.panels.badges)
@@ -82,11 +97,21 @@ class LiveCallbacks:
         update[cache.cursor] = now
         if not visitor.following or (quiet and previous.settled):  # replaying, or nothing moved: no redraw
             return update
+        look = Look(session, set(visitor.shown.request_ids) if visitor.shown else None, _readable(backend))
         if states:
-            return update | self._draw_fleet(backend, states, session, visitor.streaming_since, now)
-        return update | self._draw(backend, session, visitor.streaming_since, fresh or quiet, evicted, now, stats)
+            return update | self._draw_fleet(backend, states, look, visitor.streaming_since, fresh or quiet, now)
+        return update | self._draw(backend, look, visitor.streaming_since, fresh or quiet, evicted, now, stats)
 
-    def _draw(self, backend, session, streaming_since, everything, evicted, cursor: LiveCursor, stats) -> dict:
+    def _draw(
+        self,
+        backend: Backend,
+        look: Look,
+        streaming_since: float | None,
+        everything: bool,
+        evicted: list[PageEvicted],
+        cursor: LiveCursor,
+        stats: CacheStats,
+    ) -> Update:
         """Every redrawn figure costs the browser a frame or more, and the browser's frames are what the streaming
         text needs (tools/measure.py A/B runs: with the page map and occupancy redrawn every other second while the
         text streamed, the slowest panel showed 14 updates/s; with the page map alone each second, 17-18). So while
@@ -96,8 +121,8 @@ class LiveCallbacks:
         cache = self.ui.cache
         records = backend.snapshot().pages
         owners = self.ctx.visitors.owners(sorted(_requests(records)))
-        views = pages.page_views(records, owners, session, set(evicted), backend.decode)
-        update: dict = {cache.page_map: charts.page_map(views, panel_label)}
+        views = pages.page_views(records, owners, look.session, {e.page for e in evicted}, look.decode)
+        update: Update = {cache.page_map: charts.page_map(views, panel_label)}
         wall = time.monotonic()
         streaming = streaming_since is not None and not everything
         if streaming and wall - max(streaming_since or 0.0, cursor.occupancy_at) < OCCUPANCY_STREAMING_S:
@@ -111,16 +136,25 @@ class LiveCallbacks:
             if everything or cursor.tick % 3 == 1:
                 update[cache.hit_rate] = charts.hit_rate_chart(data)
             if everything or cursor.tick % 3 == 2:
-                shape = tree.prefix_tree(records, list(cursor.evicted), owners, session, backend.decode)
+                shape = tree.prefix_tree(records, cursor.evicted, owners, look.session, look.decode, look.focus)
                 update[cache.prefix_tree] = charts.prefix_tree(shape, panel_label)
                 drawn = replace(drawn, evicted=())
         return update | {cache.cursor: drawn}
 
-    def _draw_fleet(self, backend, states, session: str, streaming_since: float | None, cursor: LiveCursor) -> dict:
+    def _draw_fleet(
+        self,
+        backend: Backend,
+        states: list[fleet.ReplicaState],
+        look: Look,
+        streaming_since: float | None,
+        everything: bool,
+        cursor: LiveCursor,
+    ) -> Update:
         """A fleet: each replica's page map, and occupancy and hit rate with a line per replica. The same budget
         as ``_draw``: while the visitor's text streams, the page maps each tick and occupancy every
         ``OCCUPANCY_STREAMING_S``; otherwise the two in view each tick, and the hit rate, the cached blocks and the
-        prefix tree of every replica's blocks in turn."""
+        prefix tree of every replica's blocks in turn; ``everything`` (a fresh page, or the fleet just settled)
+        redraws all, so the lines end where the replicas' counters are."""
         cache, now, wall = self.ui.cache, time.time(), time.monotonic()
         maps, lines = [], []
         for replica, state in zip(backend.replicas, states, strict=True):
@@ -129,22 +163,23 @@ class LiveCallbacks:
                 continue
             records = replica.snapshot().pages
             owners = self.ctx.visitors.owners(sorted(_requests(records)))
-            views = pages.page_views(records, owners, session, set(), backend.decode)
+            views = pages.page_views(records, owners, look.session, set(), look.decode)
             maps.append((fleet.replica_map_title(state, views), views))
             lines.append((state.name, series.series(replica.history(0), state.stats, now)))
-        update: dict = {cache.page_map: fleet.replica_page_maps(maps, panel_label)}
-        if streaming_since is not None and wall - max(streaming_since, cursor.occupancy_at) < OCCUPANCY_STREAMING_S:
+        update: Update = {cache.page_map: fleet.replica_page_maps(maps, panel_label)}
+        streaming = streaming_since is not None and not everything
+        if streaming and wall - max(streaming_since or 0.0, cursor.occupancy_at) < OCCUPANCY_STREAMING_S:
             return update
         update[cache.occupancy] = fleet.replica_occupancy(lines)
-        if streaming_since is None:
-            if cursor.tick % 3 == 0:
+        if not streaming:
+            if everything or cursor.tick % 3 == 0:
                 update[cache.hit_rate] = fleet.replica_hit_rates(lines)
-            elif cursor.tick % 3 == 1:
+            if everything or cursor.tick % 3 == 1:
                 update[cache.lru] = fleet.replica_cached(lines)
-            else:
+            if everything or cursor.tick % 3 == 2:
                 records = backend.snapshot().pages
                 owners = self.ctx.visitors.owners(sorted(_requests(records)))
-                shape = tree.prefix_tree(records, [], owners, session, backend.decode)
+                shape = tree.prefix_tree(records, [], owners, look.session, look.decode, look.focus)
                 update[cache.prefix_tree] = charts.prefix_tree(shape, panel_label)
         return update | {cache.cursor: replace(cursor, occupancy_at=wall)}
 
@@ -166,7 +201,7 @@ class LiveCallbacks:
         demo.load(self.refresh, cache.cursor, outputs, api_visibility="private", **QUIET)
 
 
-def _replica_states(backend) -> list[fleet.ReplicaState]:
+def _replica_states(backend: Backend) -> list[fleet.ReplicaState]:
     """Each replica of a fleet with its stats, or why it cannot be read now; [] for one cache."""
     states = []
     for replica in backend.replicas:
@@ -178,5 +213,5 @@ def _replica_states(backend) -> list[fleet.ReplicaState]:
     return states
 
 
-def _requests(records) -> set[int]:
+def _requests(records: Sequence[PageRecord]) -> set[int]:
     return {r for record in records for r in (*record.requests, record.stored_by) if r is not None}

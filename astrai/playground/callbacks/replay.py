@@ -6,11 +6,12 @@ import time
 
 import gradio as gr
 
-from astrai.playground.callbacks.context import QUIET, Context, panel_label, session_of
+from astrai.playground.callbacks.context import QUIET, Context, Update, panel_label, session_of
 from astrai.playground.callbacks.live import LiveCursor
+from astrai.playground.callbacks.run import follow
 from astrai.playground.state import Playback, Visitor
 from astrai.playground.ui.components import fixed
-from astrai.playground.views import charts, fleet, pages, replay, tree
+from astrai.playground.views import charts, fleet, pages, replay, text, tree
 
 SPEEDS = {"1x": 1.0, "quarter": 0.25}
 
@@ -19,77 +20,82 @@ class ReplayCallbacks:
     def __init__(self, ctx: Context):
         self.ctx, self.ui = ctx, ctx.ui
 
-    def show_step(self, index, request: gr.Request) -> dict:
-        """The visitor grabbed the slider: stop following, and show the recorded step."""
+    def show_step(self, index: float | None, request: gr.Request) -> Update:
+        """The visitor grabbed the slider: stop following, and show that step of their run."""
         session = session_of(request)
         visitor = self.ctx.visitors.act(session)
         visitor.following, visitor.playback = False, None  # a playing timer stops itself at its next tick
         return self._frame(visitor, session, int(index or 0))
 
-    def step_by(self, index, delta: int, request: gr.Request) -> dict:
+    def step_by(self, index: float | None, delta: int, request: gr.Request) -> Update:
         return self.show_step(int(index or 0) + delta, request)
 
-    def play(self, index, speed: str, request: gr.Request) -> dict:
+    def play(self, index: float | None, speed: str, request: gr.Request) -> Update:
         visitor = self.ctx.visitors.act(session_of(request))
-        if visitor.recording is None or not visitor.recording.samples:
+        frames = visitor.recording.frames if visitor.recording else []
+        if not frames:
             return {}
-        start = int(index or 0) % len(visitor.recording.samples)  # at the end: start over
+        start = int(index or 0) % len(frames)  # at the end: start over
         visitor.following, visitor.playback = False, Playback(SPEEDS[speed], time.monotonic(), start)
         return {self.ui.replay.timer: gr.Timer(active=True)}
 
-    def pause(self, request: gr.Request) -> dict:
+    def pause(self, request: gr.Request) -> Update:
         self.ctx.visitors.act(session_of(request)).playback = None
         return {self.ui.replay.timer: gr.Timer(active=False)}
 
-    def tick(self, request: gr.Request) -> dict:
-        """Advance a playing replay to the step whose recorded time the scaled clock has reached."""
+    def tick(self, request: gr.Request) -> Update:
+        """Advance a playing replay to the run's step whose recorded time the scaled clock has reached."""
         session = session_of(request)
         visitor = self.ctx.visitors.peek(session)
         recording, playback, timer = visitor.recording, visitor.playback, self.ui.replay.timer
-        if playback is None or recording is None or not recording.samples:
+        frames = recording.frames if recording else []
+        if playback is None or recording is None or not frames:
             return {timer: gr.Timer(active=False)}
-        times = [s.time for s in recording.samples]
+        times = [recording.samples[end - 1].time for end in frames]
         start = playback.start_index
-        origin = times[max(start - 1, 0)] if start else times[0] - recording.samples[0].duration_s
+        first = recording.samples[frames[0] - 1]
+        origin = times[start - 1] if start else first.time - first.duration_s
         target = origin + (time.monotonic() - playback.wall_start) * playback.speed
-        index = max(start, sum(t <= target for t in times))
-        update = self._frame(visitor, session, index)
-        if index >= len(times):
+        frame = max(start, sum(t <= target for t in times))
+        update = self._frame(visitor, session, frame)
+        if frame >= len(times):
             visitor.playback = None
             update[timer] = gr.Timer(active=False)
         return update
 
-    def live(self, request: gr.Request) -> dict:
+    def live(self, request: gr.Request) -> Update:
         visitor = self.ctx.visitors.act(session_of(request))
         visitor.following, visitor.playback = True, None
-        steps = len(visitor.recording.samples) if visitor.recording else 0
+        frames = len(visitor.recording.frames) if visitor.recording else 0
         controls = self.ui.replay
         # a new cursor: the next refresh redraws everything
-        return {controls.timer: gr.Timer(active=False), controls.step: steps, self.ui.cache.cursor: LiveCursor()}
+        return {controls.timer: gr.Timer(active=False), controls.step: frames, self.ui.cache.cursor: LiveCursor()}
 
-    def page_map_at(self, index: int, request: gr.Request) -> list[dict]:
+    def page_map_at(self, index: int, request: gr.Request) -> list[dict[str, object]]:
         """The caller's recorded pool after ``index`` steps of their last run (state, refs, LRU rank), for tests."""
         recording = self.ctx.visitors.peek(session_of(request)).recording
         if recording is None:
             return []
         return [
             {"page": p.page, "state": p.state, "ref_count": p.ref_count, "lru_rank": p.lru_rank}
-            for p in replay.pages_at(recording, int(index))
+            for p in replay.pages_at(recording, recording.samples_at(int(index)))
         ]
 
-    def _frame(self, visitor: Visitor, session: str, index: int) -> dict:
+    def _frame(self, visitor: Visitor, session: str, frame: int) -> Update:
+        follow(self.ctx, visitor)  # a run that ended after its after_run: its last steps join now
         recording, controls, cache = visitor.recording, self.ui.replay, self.ui.cache
         if recording is None or visitor.shown is None:
             return {controls.note: "Run a batch first: its steps are recorded here."}
         backend = self.ctx.engines.backend(visitor.shown.profile)
-        if backend is None:
+        if backend is None or backend.generation != recording.generation:
             return {controls.note: "The engine of your last run was retired while idle: run again to record anew."}
-        index = max(0, min(index, len(recording.samples)))
+        frame = max(0, min(frame, len(recording.frames)))
+        index = recording.samples_at(frame)
         records = replay.pages_at(recording, index)
         owners = self.ctx.visitors.owners(sorted({r for p in records for r in (*p.requests, p.stored_by) if r}))
-        decode, special = backend.decode, backend.special_ids()
-        data = replay.replay_series(recording, index)
-        texts = replay.texts_at(recording, index, lambda ids: decode([t for t in ids if t not in special]))
+        decode, special = text.readable(backend.decode, backend.special_ids()), backend.special_ids()
+        data = replay.replay_series(recording, frame)
+        texts = replay.texts_at(recording, index, lambda ids: backend.decode([t for t in ids if t not in special]))
         step = recording.samples[index - 1].step if index else recording.base.step
         if backend.replicas:  # a fleet: each replica's pages in its own map, as live
             n = len(backend.replicas)
@@ -102,14 +108,16 @@ class ReplayCallbacks:
         else:
             page_views = pages.page_views(records, owners, session, set(), decode)
             page_map = charts.page_map(page_views, panel_label, title=f"Page map after step {step}")
-        update = {
-            controls.step: index,  # a plain value: the maximum was set when the run ended
-            controls.note: f"**Replay** · {replay.narrate(recording, index)}",
+        update: Update = {
+            controls.step: frame,  # a plain value: the maximum was set when the run ended
+            controls.note: f"**Replay** · {replay.narrate(recording, frame)}",
             cache.page_map: page_map,
             cache.occupancy: charts.occupancy_chart(data),
             cache.lru: charts.lru_chart(data),
             cache.hit_rate: charts.hit_rate_chart(data),
-            cache.prefix_tree: charts.prefix_tree(tree.prefix_tree(records, [], owners, session, decode), panel_label),
+            cache.prefix_tree: charts.prefix_tree(
+                tree.prefix_tree(records, [], owners, session, decode, set(recording.request_ids)), panel_label
+            ),
         }
         return update | {box: texts[i] if i < len(texts) else "" for i, box in enumerate(self.ui.panels.outputs)}
 

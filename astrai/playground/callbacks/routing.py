@@ -16,9 +16,10 @@ from typing import Any
 import gradio as gr
 
 from astrai.playground.backends.protocol import Backend, BackendError
-from astrai.playground.callbacks.context import Context, served_once_named, session_of
-from astrai.playground.callbacks.run import parse_batch
+from astrai.playground.callbacks.context import Context, Update, served_once_named, session_of
+from astrai.playground.callbacks.run import Batch, RunCallbacks, parse_batch
 from astrai.playground.scenarios import ROUTING_WAVES
+from astrai.playground.state import ShownRun
 from astrai.playground.ui.components import by_name
 from astrai.playground.views import fleet
 from astrai.sampling import SamplingParams
@@ -30,34 +31,53 @@ STAGGER_S = 0.05
 
 
 class RoutingCallbacks:
-    def __init__(self, ctx: Context):
-        self.ctx, self.ui = ctx, ctx.ui
+    def __init__(self, ctx: Context, runs: RunCallbacks):
+        self.ctx, self.ui, self.runs = ctx, ctx.ui, runs
 
-    def compare_routing(self, values: dict[str, Any], request: gr.Request, progress=gr.Progress()) -> dict:  # noqa: B008
+    def compare_routing(self, values: dict[str, Any], request: gr.Request, progress=gr.Progress()) -> Update:  # noqa: B008
+        """Both passes, then the chart; the panels show the last wave of the last pass, and their badges, token
+        colouring and table describe those same requests (not the visitor's previous Run)."""
         batch, session = parse_batch(values), session_of(request)
         visitor = self.ctx.visitors.act(session)
         params = SamplingParams(max_tokens=min(batch.params.max_tokens, MAX_TOKENS), temperature=0.0)
         answers = [""] * len(batch.prompts)
-        results = []
+        results: list[fleet.PolicyResult] = []
+        last_wave: list[int] = []
         try:
             with self.ctx.engines.run_on(visitor.profile) as backend:
                 if len(backend.routers) < 2:
                     raise gr.Error("Compare routing needs a fleet behind two routers (see README: a vLLM fleet).")
                 for index, router in enumerate(backend.routers):
                     progress(index / len(backend.routers), desc=f"through the {router.policy} router")
-                    results.append(self._pass(backend, index, batch, params, session, answers))
+                    result, last_wave = self._pass(backend, index, batch, params, session, answers)
+                    results.append(result)
         except BackendError as exc:
             raise gr.Error(str(exc)) from None
+        prompts = tuple(prompt + ROUTING_WAVES[-1] for prompt in batch.prompts)
+        visitor.shown, visitor.recording = ShownRun(tuple(last_wave), prompts, visitor.profile), None
         cache, outputs = self.ui.cache, self.ui.panels.outputs
-        update: dict = {cache.routing: fleet.routing_chart(results), cache.routing_note: fleet.routing_note(results)}
+        update: Update = {cache.routing: fleet.routing_chart(results), cache.routing_note: fleet.routing_note(results)}
+        update |= self.runs.details(visitor, final=True)
         return update | {box: answers[i] if i < len(answers) else "" for i, box in enumerate(outputs)}
 
-    def _pass(self, backend: Backend, router: int, batch, params, session: str, answers: list[str]):
+    def _pass(
+        self,
+        backend: Backend,
+        router: int,
+        batch: Batch,
+        params: SamplingParams,
+        session: str,
+        answers: list[str],
+    ) -> tuple[fleet.PolicyResult, list[int]]:
+        """One pass through ``router``: the result, and the request ids of its last wave (one per tenant)."""
         salt = f"routing/{session}/{uuid.uuid4().hex}"  # a namespace of its own: this pass starts cold
-        ids, tenants = [], []
+        ids: list[int] = []
+        tenants: list[int] = []
+        wave: list[int] = []
         for ending in ROUTING_WAVES:
             answers[:] = [""] * len(batch.prompts)  # the panels show the last wave's answers
             runs = []
+            wave = []
             try:
                 for tenant, prompt in enumerate(batch.prompts):  # one after another, overlapping: see STAGGER_S
                     text = backend.format_prompt(batch.prefix, prompt + ending)
@@ -65,6 +85,7 @@ class RoutingCallbacks:
                     self.ctx.visitors.register(run.request_ids, session)  # the privacy rule: the visitor's pages
                     runs.append(run)
                     ids += run.request_ids
+                    wave += run.request_ids
                     tenants.append(tenant)
                     time.sleep(STAGGER_S)
                 for tenant, run in enumerate(runs):
@@ -76,17 +97,19 @@ class RoutingCallbacks:
         served = served_once_named(backend, ids)
         infos = {info.id: info for info in backend.request_info(ids)}
         names = {rid: s.replica.split(" (")[0] for rid, s in served.items()}
-        return fleet.PolicyResult(
+        result = fleet.PolicyResult(
             policy=backend.routers[router].policy,
             infos=tuple(infos[r] for r in ids if r in infos),
             served=tuple(names.get(r) for r in ids if r in infos),
             tenants=tuple(t for r, t in zip(ids, tenants, strict=True) if r in infos),
         )
+        return result, wave
 
     def wire(self) -> None:
         ui = self.ui
         inputs, fn = by_name(ui.run_fields(), self.compare_routing)
         outputs = [ui.cache.routing, ui.cache.routing_note, *ui.panels.outputs]
+        outputs += [*ui.panels.badges, *ui.panels.highlights, ui.cache.table]
         ui.buttons.routing.click(
             fn,
             inputs,

@@ -9,24 +9,25 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import gradio as gr
 
+from astrai.playground import knobs
+from astrai.playground.backends.profiles import Profile
 from astrai.playground.backends.protocol import BackendError
-from astrai.playground.callbacks.context import QUIET, Context, run_infos, served_once_named, session_of
+from astrai.playground.callbacks.context import QUIET, Context, Update, run_infos, served_once_named, session_of
 from astrai.playground.callbacks.pacing import Pacer
-from astrai.playground.scenarios import FOLLOW_UP
+from astrai.playground.scenarios import FOLLOW_UP, NAMESPACES, Namespace
 from astrai.playground.state import ShownRun, Visitor
 from astrai.playground.ui.components import MAX_PANELS, by_name
 from astrai.playground.ui.layout import MAX_NEW_TOKENS, MAX_PROMPT_CHARS
 from astrai.playground.views import charts, fleet, replay, text
 from astrai.sampling import SamplingParams
 
-RUN_CONCURRENCY = int(os.environ.get("ASTRAI_RUN_CONCURRENCY", 32))  # runs streaming at once (more wait in the queue)
 # Every visitor's end-of-run update (Run's and Stop's), in one group wider than the default 2: on a fleet it can wait
 # up to SERVED_WAIT_S for the replicas' events (``served_once_named``), and two such waits must not hold back a class.
 AFTER_RUN = {"concurrency_limit": 8, "concurrency_id": "after_run"}
@@ -37,7 +38,15 @@ class Batch:
     prefix: str
     prompts: list[str]
     params: SamplingParams
-    isolate: bool
+    namespace: Namespace
+
+    def salt(self, session: str) -> str | None:
+        """The run's prefix-cache namespace: the engine's shared one, the visitor's, or one of its own."""
+        if self.namespace == "mine":
+            return session
+        if self.namespace == "fresh":
+            return f"{session}/run/{uuid.uuid4().hex}"
+        return None
 
 
 def parse_batch(values: dict[str, Any]) -> Batch:
@@ -65,9 +74,12 @@ def parse_batch(values: dict[str, Any]) -> Batch:
             top_k=int(values["top_k"]),
             seed=None if seed is None else int(seed),
         )
+        namespace = values["cache_namespace"]
+        if namespace not in NAMESPACES:
+            raise ValueError(f"cache_namespace must be one of {', '.join(NAMESPACES)}, got {namespace!r}.")
     except (ValueError, TypeError, OverflowError) as exc:
         raise gr.Error(str(exc)) from None
-    return Batch(prefix, prompts, params, bool(values["isolate_cache"]))
+    return Batch(prefix, prompts, params, namespace)
 
 
 @contextlib.contextmanager
@@ -84,16 +96,28 @@ class RunCallbacks:
         self.ctx = ctx
         self.ui = ctx.ui
 
-    def run(self, values: dict[str, Any], request: gr.Request) -> Iterator[dict]:
-        yield from self._stream(parse_batch(values), session_of(request), share=True)
+    def run(self, values: dict[str, Any], request: gr.Request) -> Iterator[Update]:
+        session = session_of(request)
+        visitor = self.ctx.visitors.act(session)
+        yield from self._stream(parse_batch(values), session, visitor.profile, caching=True)
 
-    def compare(self, values: dict[str, Any], request: gr.Request) -> Iterator[dict]:
-        """The same batch twice: with the prefix cache as it is, then with nothing shared (caching off)."""
+    def compare(self, values: dict[str, Any], request: gr.Request) -> Iterator[Update]:
+        """The same batch twice: on the visitor's engine, with its prefix cache, then on the same settings without
+        one. The second half runs on an engine of its own (``Engines.without_caching``), so its pages never take the
+        place of anyone's cached pages and its lookups never lower the shared engine's hit rate; where the pool is a
+        server's, it runs there in namespaces of its own, one per prompt, so nothing is reused."""
         batch, session = parse_batch(values), session_of(request)
-        yield from self._stream(batch, session, share=True)
-        yield from self._stream(batch, session, share=False)
+        profile = self.ctx.visitors.act(session).profile
+        if not profile.settings.prefix_caching:
+            raise gr.Error(
+                "Your engine has prefix caching off already: pick a scenario, or turn it on in Engine "
+                "settings, to compare."
+            )
+        yield from self._stream(batch, session, profile, caching=True)
+        off = self.ctx.engines.without_caching(profile)
+        yield from self._stream(batch, session, off or profile, caching=False)
 
-    def _stream(self, batch: Batch, session: str, share: bool) -> Iterator[dict]:
+    def _stream(self, batch: Batch, session: str, profile: Profile, caching: bool) -> Iterator[Update]:
         """Stream the panels' text, and nothing else.
 
         Gradio 6.31 makes each message of a streaming event cost every output a server-side postprocess and the
@@ -103,22 +127,26 @@ class RunCallbacks:
         """
         ctx, outputs = self.ctx, self.ui.panels.outputs
         visitor = ctx.visitors.act(session)
-        profile = visitor.profile
         n = len(batch.prompts)
         answers = [""] * n
 
-        def texts() -> dict:
+        def texts() -> Update:
             return {box: answers[i] if i < n else "" for i, box in enumerate(outputs)}
 
         try:
-            with ctx.engines.run_on(profile) as backend:
-                base, started = backend.snapshot(), time.monotonic()
+            with ctx.engines.run_on(profile) as backend, ctx.visitors.running(profile, session):
+                base, stats = backend.snapshot(), backend.stats()
                 prompts = [backend.format_prompt(batch.prefix, p) for p in batch.prompts]
-                run = backend.submit(prompts, batch.params, session if batch.isolate else None, share)
+                # caching off: an engine without it, or on a server's own pool a namespace per prompt
+                run = backend.submit(prompts, batch.params, batch.salt(session), share_cache=caching)
                 ctx.visitors.register(run.request_ids, session)
-                visitor.recording = replay.Recording(base, (), tuple(run.request_ids))
+                visitor.recording = replay.Recording(
+                    base, (), tuple(run.request_ids), backend.generation, prefix_caching=stats.prefix_caching
+                )
                 visitor.following, visitor.playback = True, None
-                visitor.shown = ShownRun(tuple(run.request_ids), tuple(batch.prompts), profile)
+                visitor.shown = ShownRun(
+                    tuple(run.request_ids), tuple(batch.prompts), profile, caching=stats.prefix_caching
+                )
                 try:
                     yield texts()
                     pacer = Pacer(ctx.runs.interval)
@@ -131,21 +159,21 @@ class RunCallbacks:
                     gr.Warning(str(exc))
                 finally:
                     run.close()  # Stop, a closed tab or an error: release the pages now
-                summary = text.run_summary(run_infos(backend, visitor.shown), time.monotonic() - started)
+                summary = text.run_summary(run_infos(backend, visitor.shown))
         except (ValueError, TypeError, BackendError) as exc:  # refused before anything ran
             raise gr.Error(str(exc)) from None
-        if share:
+        if caching:
             visitor.with_cache, visitor.without_cache = summary, None
         else:
             visitor.without_cache = summary
         yield texts()
 
-    def no_details(self) -> dict:
+    def no_details(self) -> Update:
         """Empty badges, token colouring and table: what a click on Run shows until the run fills them."""
         panels = self.ui.panels
         return {**dict.fromkeys(panels.badges, ""), **dict.fromkeys(panels.highlights), self.ui.cache.table: []}
 
-    def details(self, visitor: Visitor, highlights: bool = True, final: bool = False) -> dict:
+    def details(self, visitor: Visitor, highlights: bool = True, final: bool = False) -> Update:
         """The badges (and, unless told not to, the token colouring and request table) of the latest run; ``final``
         once it ended: a fleet's badges then wait (briefly) for the events naming each panel's replica."""
         shown, panels = visitor.shown, self.ui.panels
@@ -153,8 +181,9 @@ class RunCallbacks:
             return self.no_details()
         backend = self.ctx.engines.backend(shown.profile)
         infos = run_infos(backend, shown)
-        update: dict = {
-            badge: text.badge(infos[i] if i < len(infos) else None) for i, badge in enumerate(panels.badges)
+        update: Update = {
+            badge: text.badge(infos[i] if i < len(infos) else None, shown.caching)
+            for i, badge in enumerate(panels.badges)
         }
         if backend is not None and backend.replicas:  # a fleet: each badge names the replica that served it
             ids = list(shown.request_ids)
@@ -164,49 +193,56 @@ class RunCallbacks:
                     update[badge] += " · " + fleet.served_text(served.get(rid))
         if not highlights or backend is None:
             return update
-        update[self.ui.cache.table] = text.request_rows(infos, list(shown.prompts))
-        special = backend.special_ids()
+        update[self.ui.cache.table] = text.request_rows(infos, list(shown.prompts), shown.caching)
+        shown_as = text.readable(backend.decode, backend.special_ids())
         for i, box in enumerate(panels.highlights):
             info = infos[i] if i < len(infos) else None
             known = info is not None and info.cached_tokens is not None
-            update[box] = text.token_highlights(info, backend.decode, special) if known else None
+            update[box] = text.token_highlights(info, shown_as, shown.caching) if info is not None and known else None
         return update
 
-    def after_run(self, request: gr.Request) -> dict:
-        """Once a run ends (or is stopped): its final badges and table, the replay slider stretched over it and its
-        last step narrated, and the chart of what caching saved. Apart from the stream because resizing a slider is
-        a costly prop update."""
+    def after_run(self, request: gr.Request) -> Update:
+        """Once a run ends (or is stopped): its final badges and table, the replay slider stretched over its steps
+        and the last one narrated, the slow replay offered (a run of the embedded model ends in about a second), and
+        the chart of what caching saved. Apart from the stream because resizing a slider is a costly prop update."""
         ctx, controls = self.ctx, self.ui.replay
         visitor = ctx.visitors.act(session_of(request))
         recording = follow(ctx, visitor)
-        steps = len(recording.samples) if recording else 0
+        frames = len(recording.frames) if recording else 0
         update = self.details(visitor, final=True) | self.savings(visitor)
-        update[controls.step] = gr.Slider(maximum=max(steps, 1), **({"value": steps} if visitor.following else {}))
-        return update | {controls.note: replay.narrate(recording, steps) if recording else ""}
+        update[controls.step] = gr.Slider(maximum=max(frames, 1), **({"value": frames} if visitor.following else {}))
+        note = replay.narrate(recording, frames) if recording else ""
+        if frames > 1:
+            note = f"{note}  \n**Replay ▶ ¼×** plays your run's {frames} steps slowly, one at a time."
+        slow = gr.Button(variant="primary" if frames > 1 else "secondary")
+        return update | {controls.note: note, controls.play_slow: slow}
 
-    def savings(self, visitor: Visitor) -> dict:
-        small = visitor.profile.model == self.ctx.engines.default.model
-        cache = self.ui.cache
+    def savings(self, visitor: Visitor) -> Update:
+        engines, cache = self.ctx.engines, self.ui.cache
+        small = visitor.profile.model == engines.default.model
+        bigger = len(engines.model_choices()) > 1  # hub models offered: a larger one can be loaded
         return {
             cache.savings: charts.savings(visitor.with_cache, visitor.without_cache),
-            cache.savings_note: text.savings_note(visitor.with_cache, visitor.without_cache, small),
+            cache.savings_note: text.savings_note(visitor.with_cache, visitor.without_cache, small, bigger),
         }
 
-    def follow_up(self, values: dict[str, Any]) -> dict:
-        """Each shown panel's prompt becomes prompt + answer + a new turn."""
+    def follow_up(self, values: dict[str, Any]) -> Update:
+        """Each shown panel's prompt becomes prompt + answer + ``FOLLOW_UP``."""
         n, prompts = int(values["n_panels"]), self.ui.panels.prompts
         turns = ((values[f"prompt_{i + 1}"], values[f"output_{i + 1}"]) for i in range(n))
         return {prompts[i]: p + o + FOLLOW_UP for i, (p, o) in enumerate(turns) if o}
 
     def clear_cache(self, request: gr.Request) -> None:
-        """Empty the prefix cache of the visitor's engine, when no other visitor is on it (their cached pages would
-        go too: Isolate my cache gives a namespace of one's own instead)."""
+        """Empty the prefix cache of the visitor's engine, when no other visitor is on it: none whose view is on it,
+        none whose run streams there (their cached pages would go too, and their runs' hits with them; a namespace
+        of one's own, or fresh for each run, starts from a cold cache instead)."""
         ctx = self.ctx
-        visitor = ctx.visitors.act(session_of(request))
-        if ctx.visitors.on(visitor.profile) > 1:
+        session = session_of(request)
+        visitor = ctx.visitors.act(session)
+        if ctx.visitors.others_on(visitor.profile, session):
             gr.Warning(
-                "Other visitors share this engine, and clearing would take their cached pages too. Tick "
-                "'Isolate my cache' (under Sampling and options) to start from a cache of your own."
+                "Other visitors are on this engine, and clearing would take their cached pages too. Choose 'fresh "
+                "for each run' (or 'mine') under 'Cached pages a run may hit' to start from a cold cache instead."
             )
             return
         try:
@@ -229,7 +265,8 @@ class RunCallbacks:
         panels = ui.panels
         gr.api(self.cache_stats, api_name="cache_stats", concurrency_limit=8)
         details_outputs = [*panels.badges, *panels.highlights, ui.cache.table]
-        after_outputs = [*details_outputs, ui.replay.step, ui.replay.note, ui.cache.savings, ui.cache.savings_note]
+        after_outputs = [*details_outputs, ui.replay.step, ui.replay.note, ui.replay.play_slow]
+        after_outputs += [ui.cache.savings, ui.cache.savings_note]
         streams = []
         for button, handler, api_name in ((buttons.run, self.run, "run"), (buttons.compare, self.compare, "compare")):
             inputs, fn = by_name(ui.run_fields(), handler)
@@ -242,7 +279,7 @@ class RunCallbacks:
                 inputs,
                 list(panels.outputs),
                 api_name=api_name,
-                concurrency_limit=RUN_CONCURRENCY,
+                concurrency_limit=knobs.RUN_CONCURRENCY,  # runs streaming at once (more wait in the queue)
                 concurrency_id="run",
                 show_progress="minimal",
                 show_progress_on=panels.outputs[0],  # a queued run says so once, not in every panel
@@ -262,14 +299,30 @@ class RunCallbacks:
         buttons.follow_up.click(fn, inputs, list(panels.prompts), api_visibility="private", **QUIET)
 
 
+ENDED = ("finished", "cancelled", "failed")
+END_WAIT_S = 1.0  # how long a run that ended waits for the step recording its end (the engine records it at once)
+
+
 def follow(ctx: Context, visitor: Visitor) -> replay.Recording | None:
-    """Extend the visitor's recording with the steps its engine made since its last sample."""
+    """Extend the visitor's recording with its engine's steps since its last sample, up to the step that recorded
+    the end of the run's last request; then it is closed. A recording never takes in another engine's steps (one
+    that replaced its retired engine has another generation)."""
     recording = visitor.recording
-    if recording is None or visitor.shown is None:
+    if recording is None or visitor.shown is None or recording.closed:
         return recording
     backend = ctx.engines.backend(visitor.shown.profile)
-    if backend is None:  # its engine was retired: the recording ends where it was
+    if backend is None or backend.generation != recording.generation:  # retired: the recording ends where it was
         return recording
-    last = recording.samples[-1].step if recording.samples else recording.base.step
-    visitor.recording = recording = recording.extended(backend.history(after_step=last))
+    ids = list(recording.request_ids)
+    deadline = time.monotonic() + END_WAIT_S
+    while True:
+        infos = backend.request_info(ids)
+        ended = len(infos) < len(ids) or all(i.status in ENDED for i in infos)
+        ends = [i.ended_step for i in infos]
+        end_step = max(e for e in ends if e is not None) if ended and infos and None not in ends else None
+        recording = recording.extended(backend.history(after_step=recording.last_step), end_step, ended)
+        if recording.closed or not ended or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    visitor.recording = recording
     return recording

@@ -49,6 +49,7 @@ class SetupCallbacks:
             ui.form.shared_prefix: scenario.prefix,
             ui.form.n_panels: len(scenario.prompts),
             ui.form.max_tokens: scenario.max_tokens,
+            ui.form.cache_namespace: scenario.namespace,
         }
         prompts = scenario.prompts + [""] * (MAX_PANELS - len(scenario.prompts))
         update |= dict(zip(ui.panels.prompts, prompts, strict=True))
@@ -94,10 +95,10 @@ class SetupCallbacks:
             engines.ensure(profile, lambda done, what: progress(done, desc=what))
         except EngineLimitReached as exc:
             gr.Warning(str(exc))
-            return {engine_form.status: f"⚠️ {exc} You stay on the **{visitor.profile.name}** engine."}
+            return {engine_form.status: f"⚠️ {exc} You stay on **{visitor.profile.engine}**."}
         except BackendError as exc:
             gr.Warning(str(exc))
-            return {engine_form.status: f"❌ {exc} You stay on the **{visitor.profile.name}** engine."}
+            return {engine_form.status: f"❌ {exc} You stay on **{visitor.profile.engine}**."}
         visitor.profile = profile
         settings = profile.settings
         return {
@@ -112,7 +113,7 @@ class SetupCallbacks:
         }
 
     def _status(self, profile: Profile) -> str:
-        return f"✅ You are on the **{profile.name}** engine ({profile.settings.describe()})."
+        return f"✅ You are on **{profile.engine}** ({profile.settings.describe()})."
 
     @staticmethod
     def _server_note(profile: Profile) -> str:
@@ -138,6 +139,7 @@ class SetupCallbacks:
         engine_outputs = [engine.model, engine.page_size, engine.n_pages, engine.max_batch_size]
         engine_outputs += [engine.prefix_caching, engine.dtype, engine.status, ui.cache.cursor]
         scenario_outputs = [setup.note, ui.form.shared_prefix, ui.form.n_panels, ui.form.max_tokens]
+        scenario_outputs += [ui.form.cache_namespace]
         scenario_outputs += [*ui.panels.prompts, *ui.panels.outputs, *engine_outputs]
         # builds are rare and short (the lesson's engines are built at start): they never block the chart timer
         setup.scenario.input(

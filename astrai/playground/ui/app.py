@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import gradio as gr
 
+from astrai.playground import knobs
 from astrai.playground.backends.protocol import Engines
 from astrai.playground.callbacks.context import Context
 from astrai.playground.callbacks.live import LiveCallbacks
@@ -17,8 +16,6 @@ from astrai.playground.callbacks.setup import SetupCallbacks
 from astrai.playground.scenarios import Lesson
 from astrai.playground.state import Visitors
 from astrai.playground.ui.layout import build_layout
-
-QUEUE_SIZE = 64  # waiting events beyond this get an immediate "queue is full" answer
 
 
 def build_demo(engines: Engines) -> gr.Blocks:
@@ -33,6 +30,6 @@ def build_demo(engines: Engines) -> gr.Blocks:
         LiveCallbacks(ctx, runs).wire(demo)
         ReplayCallbacks(ctx).wire()
         SetupCallbacks(ctx).wire(demo)
-        RoutingCallbacks(ctx).wire()
-    demo.queue(max_size=int(os.environ.get("ASTRAI_QUEUE_SIZE", QUEUE_SIZE)), default_concurrency_limit=2)
+        RoutingCallbacks(ctx, runs).wire()
+    demo.queue(max_size=knobs.QUEUE_SIZE, default_concurrency_limit=2)
     return demo

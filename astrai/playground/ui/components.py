@@ -35,7 +35,7 @@ class RunForm:
     top_p: gr.Slider
     top_k: gr.Slider
     seed: gr.Number
-    isolate_cache: gr.Checkbox
+    cache_namespace: gr.Radio  # which cached pages a run may hit: scenarios.NAMESPACES
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ class Components:
             "top_p": form.top_p,
             "top_k": form.top_k,
             "seed": form.seed,
-            "isolate_cache": form.isolate_cache,
+            "cache_namespace": form.cache_namespace,
         }
 
     def engine_fields(self) -> dict[str, gr.Component]:

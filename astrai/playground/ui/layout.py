@@ -12,7 +12,7 @@ from __future__ import annotations
 import gradio as gr
 
 from astrai.playground.backends.profiles import BATCH_SIZES, DTYPES, PAGE_SIZES, POOL_PAGES, Profile
-from astrai.playground.scenarios import SCENARIO_BY_NAME, Lesson
+from astrai.playground.scenarios import NAMESPACES, SCENARIO_BY_NAME, Lesson
 from astrai.playground.ui.components import (
     MAX_PANELS,
     CacheViews,
@@ -77,14 +77,23 @@ def build_layout(default: Profile, model_choices: list[str], chooses_pools: bool
                     clear=gr.Button("Clear cache", elem_id="clear_btn", min_width=100),
                     routing=routing_button,
                 )
-            shared_prefix = gr.Textbox(
-                first.prefix,
-                label="Shared prefix (a system prompt before every panel's prompt)",
-                lines=1,
-                max_lines=2,
-                max_length=MAX_PROMPT_CHARS,
-                elem_id="prefix",
-            )
+            with gr.Row(equal_height=False):
+                shared_prefix = gr.Textbox(
+                    first.prefix,
+                    label="Shared prefix (a system prompt before every panel's prompt)",
+                    lines=1,
+                    max_lines=2,
+                    max_length=MAX_PROMPT_CHARS,
+                    elem_id="prefix",
+                    scale=3,
+                )
+                namespace = gr.Radio(
+                    [(words, name) for name, words in NAMESPACES.items()],
+                    value=first.namespace,
+                    label="Cached pages a run may hit",
+                    elem_id="cache_namespace",
+                    scale=2,
+                )
             panels = _panels(first.prompts)
         with gr.Column(scale=2, min_width=420):
             note = gr.Markdown(lesson.note(0), elem_id="scenario_note")  # beside the views it points at
@@ -122,13 +131,12 @@ def build_layout(default: Profile, model_choices: list[str], chooses_pools: bool
         top_p = gr.Slider(0.05, 1, value=1, step=0.05, label="Top-p")
         top_k = gr.Slider(0, 200, value=0, step=1, label="Top-k (0 = off)")
         seed = gr.Number(0, precision=0, label="Seed", minimum=0)
-        isolate = gr.Checkbox(False, label="Isolate my cache (salt the hash with my session)", elem_id="isolate")
         live_charts = gr.Checkbox(True, label="Live charts (refresh every second)", elem_id="live_charts")
     table = gr.DataFrame(headers=text.TABLE_COLUMNS, label="Your requests", interactive=False, elem_id="requests")
     engine = _engine_form(default, model_choices, chooses_pools)
     return Components(
         panels=Panels(panels.columns, panels.prompts, panels.outputs, panels.badges, highlights),
-        form=RunForm(n_panels, shared_prefix, max_tokens, temperature, top_p, top_k, seed, isolate),
+        form=RunForm(n_panels, shared_prefix, max_tokens, temperature, top_p, top_k, seed, namespace),
         buttons=buttons,
         cache=CacheViews(
             page_map=page_map,

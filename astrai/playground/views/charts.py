@@ -74,25 +74,31 @@ def occupancy_chart(data: Series) -> go.Figure:
 
 
 def lru_chart(data: Series) -> go.Figure:
-    fig = go.Figure(
-        [
-            go.Scatter(
-                x=data.ages,
-                y=data.cached,
-                mode="lines",
-                name="LRU length",
-                line=dict(color=STATE_COLORS["cached (evictable)"], width=2, shape="hv"),
-            ),
-            go.Scatter(
-                x=data.ages,
-                y=data.evictions,
-                mode="lines",
-                name="evictions (since left edge)",
-                line=dict(color=EVICTED_COLOR, dash="dot", shape="hv"),
-            ),
-        ]
+    """The LRU's length in pages, and the evictions counted from the chart's left edge on an axis of their own:
+    on the pages axis, 101 evictions stood far above a 40-page pool, as if the LRU had held them."""
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    fig.add_trace(
+        go.Scatter(
+            x=data.ages,
+            y=data.cached,
+            mode="lines",
+            name="LRU length (pages)",
+            line=dict(color=STATE_COLORS["cached (evictable)"], width=2, shape="hv"),
+        ),
+        secondary_y=False,
     )
-    return _layout(fig, "LRU length (cached pages)", "pages", data)
+    fig.add_trace(
+        go.Scatter(
+            x=data.ages,
+            y=data.evictions,
+            mode="lines",
+            name="evictions since the left edge (right axis)",
+            line=dict(color=EVICTED_COLOR, dash="dot", shape="hv"),
+        ),
+        secondary_y=True,
+    )
+    fig.update_yaxes(title_text="evictions", secondary_y=True, rangemode="tozero", showgrid=False)
+    return _layout(fig, "LRU length (cached pages) and evictions", "pages", data)
 
 
 def hit_rate_chart(data: Series) -> go.Figure:
@@ -101,7 +107,7 @@ def hit_rate_chart(data: Series) -> go.Figure:
             go.Scatter(
                 x=data.ages,
                 y=[None if r is None else 100 * r for r in data.hit_rate],
-                name="since start",
+                name=data.hit_rate_scope,
                 mode="lines",
                 line=dict(color="#16a34a", width=2, shape="hv"),
             ),
@@ -251,7 +257,9 @@ def prefix_tree(tree: Tree, panel_label: Callable[[int], str], height: int = 300
     ranked = max((n.lru_rank or 0 for n in tree.nodes), default=0)
     ids, parents, labels, colors, hovers = [ROOT], [""], ["prefix cache"], ["#f3f4f6"], ["the roots of every chain"]
     for node in tree.nodes:
-        if node.kind == "evicted":
+        if node.kind == "others":
+            color, state = FREE_COLOR, "not your last run's: pages of earlier runs and other sessions"
+        elif node.kind == "evicted":
             color, state = EVICTED_COLOR, "just evicted"
         elif node.kind == "in_use":
             in_use_color = PANEL_COLORS[node.panel % len(PANEL_COLORS)] if node.panel is not None else OTHER_COLOR
@@ -282,6 +290,8 @@ def prefix_tree(tree: Tree, panel_label: Callable[[int], str], height: int = 300
         )
     )
     title = f"Prefix tree: {tree.pages} pages ({tree.in_use} in use, {tree.cached} cached)"
+    if tree.focused is not None:
+        title += f"; {tree.focused} of them your last run's, {tree.others} gathered as others"
     if tree.evicted:
         title += f", {tree.evicted} just evicted"
     fig.update_layout(
@@ -294,12 +304,15 @@ def prefix_tree(tree: Tree, panel_label: Callable[[int], str], height: int = 300
 
 
 def savings(on: RunSummary | None, off: RunSummary | None) -> go.Figure:
-    """Caching on against off, side by side: prefill tokens computed, median TTFT and total time."""
-    fig = make_subplots(rows=1, cols=3, subplot_titles=("prefill tokens computed", "TTFT s (median)", "total s"))
+    """Caching on against off, side by side: prefill tokens computed (recomputation after preemptions included) and
+    the median time to first token, the two that prefill work decides. Total time is left out: it is mostly
+    decoding, which caching does not change, and it read as "caching on is slower" whenever the machine was busier
+    during the first half."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("prefill tokens computed", "time to first token, s (median)"))
     for name, run, color in (("caching on", on, "#16a34a"), ("caching off", off, "#9ca3af")):
         if run is None:
             continue
-        for col, value in enumerate((run.computed_tokens, run.ttft_s, run.total_s), start=1):
+        for col, value in enumerate((run.computed_tokens, run.ttft_s), start=1):
             fig.add_trace(
                 go.Bar(x=[name], y=[value], name=name, marker_color=color, showlegend=col == 1, legendgroup=name),
                 row=1,
@@ -310,6 +323,6 @@ def savings(on: RunSummary | None, off: RunSummary | None) -> go.Figure:
         margin=dict(l=30, r=10, t=40, b=20),
         **PLAIN,
         legend=dict(orientation="h", y=-0.15, font=dict(size=10)),
-        title=dict(text="What caching saved (your last run)", font=dict(size=13)),
+        title=dict(text="What caching saved (your last comparison)", font=dict(size=13)),
     )
     return fig

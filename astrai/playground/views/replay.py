@@ -1,11 +1,18 @@
 """Step-by-step replay of a visitor's run, rebuilt from the engine's per-step history. Pure functions, no I/O.
 
-A ``Recording`` is a base snapshot (the pool just before the run was submitted) plus every ``StepSample`` after
-it. Each sample carries the pages that changed in that step (as full records) and the tokens it appended, so the
-pool after step k is the base with the changes of steps 1..k applied in order. LRU ranks are rebuilt the same way
-the pool builds its LRU: a page joins the back when it becomes cached and leaves when it stops being cached. A
-backend that does not publish its LRU order (vLLM) records cached pages without a rank, and their replay keeps
-none: a rank is rebuilt only for pages whose record had one, never invented.
+A ``Recording`` is a base snapshot (the pool just before the run was submitted) plus every ``StepSample`` from then
+until the step that recorded the end of the run's last request (its pages given back), and no further: another
+visitor's later steps never join it, nor do the steps of another engine that took its place (``generation``). Each
+sample carries the pages that changed in that step (as full records) and the tokens it appended, so the pool after
+step k is the base with the changes of steps 1..k applied in order.
+
+The steps in the window that computed none of the run's requests are other visitors' (they share the pool): their
+page changes are applied, but the replay shows only the run's own steps, its *frames*. Frame k is the run's k-th
+step; the narration names it so ("step 3 of 12 of your run, engine step 267"), and the slider counts frames.
+
+LRU ranks are rebuilt the same way the pool builds its LRU: a page joins the back when it becomes cached and leaves
+when it stops being cached. A backend that does not publish its LRU order (vLLM) records cached pages without a
+rank, and their replay keeps none: a rank is rebuilt only for pages whose record had one, never invented.
 
 One approximation, said here rather than hidden: if the base snapshot was taken while another visitor's step was
 in flight, and in that same step a cached page was hit and released again, that page's LRU rank can be off in
@@ -21,6 +28,8 @@ from dataclasses import dataclass
 from astrai.observation import CacheSnapshot, PageRecord, StepSample
 from astrai.playground.views.series import Series
 
+MAX_SAMPLES = 4096  # a recording's bound: a run of 6 panels × 256 tokens takes a few hundred steps
+
 
 @dataclass(frozen=True)
 class Recording:
@@ -29,16 +38,43 @@ class Recording:
     base: CacheSnapshot
     samples: tuple[StepSample, ...]
     request_ids: tuple[int, ...]  # index = panel
+    generation: int = 0  # the backend's generation it records: another engine's steps never join it
+    closed: bool = False  # the run ended and its last step is in: nothing joins it any more
+    prefix_caching: bool = True  # its engine looked prompts up (off: no hit rate to draw, not 0%)
 
     @property
-    def steps(self) -> list[int]:
-        """The engine steps of the recording, in order (other visitors' steps included: they share the pool)."""
-        return [s.step for s in self.samples]
+    def last_step(self) -> int:
+        return self.samples[-1].step if self.samples else self.base.step
 
-    def extended(self, samples: Sequence[StepSample]) -> Recording:
-        """The recording with the samples that came after its last one."""
-        last = self.samples[-1].step if self.samples else self.base.step
-        return dataclasses.replace(self, samples=self.samples + tuple(s for s in samples if s.step > last))
+    def extended(self, samples: Sequence[StepSample], end_step: int | None = None, ended: bool = False) -> Recording:
+        """The recording with the samples after its last one, up to ``end_step`` (the step that recorded the end of
+        the run's last request, where the backend knows it). ``ended``: every request of the run has ended, so the
+        recording closes once ``end_step`` is in (at once where the backend does not know it)."""
+        if self.closed:
+            return self
+        new = [s for s in samples if s.step > self.last_step and (end_step is None or s.step <= end_step)]
+        kept = (self.samples + tuple(new))[:MAX_SAMPLES]
+        closed = len(kept) == MAX_SAMPLES or (ended and (end_step is None or any(s.step >= end_step for s in kept)))
+        return dataclasses.replace(self, samples=kept, closed=closed)
+
+    @property
+    def frames(self) -> list[int]:
+        """For each of the run's own steps, in order, how many samples the pool has taken in by its end: frame k
+        shows the pool after ``samples[:frames[k - 1]]``. A closed recording's last sample (its end) is a frame."""
+        mine = set(self.request_ids)
+        ends = [i + 1 for i, s in enumerate(self.samples) if mine.intersection(s.requests) or _sampled_for(s, mine)]
+        if self.closed and self.samples and (not ends or ends[-1] != len(self.samples)):
+            ends.append(len(self.samples))
+        return ends
+
+    def samples_at(self, frame: int) -> int:
+        """How many samples the pool has taken in at ``frame`` (0 = the base, before the run)."""
+        frames = self.frames
+        return frames[min(frame, len(frames)) - 1] if frame > 0 and frames else 0
+
+
+def _sampled_for(sample: StepSample, requests: set[int]) -> bool:
+    return any(rid in requests for rid, _ in sample.sampled)
 
 
 def pages_at(recording: Recording, index: int) -> list[PageRecord]:
@@ -79,11 +115,15 @@ def texts_at(recording: Recording, index: int, decode: Callable[[list[int]], str
     return [decode(tokens) for tokens in tokens_at(recording, index)]
 
 
-def narrate(recording: Recording, index: int) -> str:
-    """One line on what the ``index``-th sample did for this run's panels, e.g.
-    "step 12: panel 3 admitted, 3 pages hit, 1 page computed"."""
-    if index == 0 or not recording.samples:
-        return f"step {recording.base.step}: before the run"
+def narrate(recording: Recording, frame: int) -> str:
+    """One line on what the run's ``frame``-th step did for its panels, e.g. "step 3 of 12 of your run (engine step
+    267): panel 3 admitted, 3 cached pages hit, 1 page allocated", and what other visitors' steps did since the frame
+    before (they share the pool: an eviction there can cost this run a hit)."""
+    frames = recording.frames
+    if frame <= 0 or not frames:
+        return f"before your run (engine step {recording.base.step})"
+    frame = min(frame, len(frames))
+    index = frames[frame - 1]
     sample = recording.samples[index - 1]
     before = _states_before(recording, index - 1, {c.page for c in sample.page_changes})
     panel = {rid: i for i, rid in enumerate(recording.request_ids)}
@@ -99,18 +139,27 @@ def narrate(recording: Recording, index: int) -> str:
             parts.append(f"{_count(len(fresh), 'page')} {label}")
         if hits:
             parts.append(f"{_count(len(hits), 'cached page')} hit")
-    if sample.hit_tokens:
-        parts.append(f"{sample.hit_tokens} of {sample.query_tokens} prompt tokens from cache")
+    own = [(prompt, cached) for rid, prompt, cached in sample.admitted if rid in panel]
+    if own:
+        parts.append(f"{sum(c for _, c in own)} of {sum(p for p, _ in own)} prompt tokens from cache")
     if sample.evictions:
-        parts.append(f"{_count(sample.evictions, 'eviction')}")
+        parts.append(_count(sample.evictions, "eviction"))
     if sample.preemptions:
-        parts.append(f"{_count(sample.preemptions, 'preemption')}")
+        parts.append(_count(sample.preemptions, "preemption"))
     if sample.prefill_tokens is None or sample.decode_tokens is None:
         computed = "tokens computed per step: n/a (not reported)"
     else:
         computed = f"{sample.prefill_tokens} prefill + {sample.decode_tokens} decode tokens computed"
-    who = f"panels {', '.join(map(str, mine))}" if len(mine) > 1 else f"panel {mine[0]}" if mine else "other sessions"
-    return f"step {sample.step}: {who}; {computed}" + ("; " + ", ".join(parts) if parts else "")
+    who = f"panels {', '.join(map(str, mine))}" if len(mine) > 1 else f"panel {mine[0]}" if mine else "your run ended"
+    line = f"step {frame} of {len(frames)} of your run (engine step {sample.step}): {who}; {computed}"
+    line += "; " + ", ".join(parts) if parts else ""
+    others = recording.samples[(frames[frame - 2] if frame > 1 else 0) : index - 1]
+    if others:
+        evicted = sum(s.evictions or 0 for s in others)
+        line += f" · before it, {_count(len(others), 'step')} of other sessions" + (
+            f" ({_count(evicted, 'eviction')})" if evicted else ""
+        )
+    return line
 
 
 def _states_before(recording: Recording, index: int, pages: set[int]) -> dict[int, str]:
@@ -133,25 +182,34 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-def replay_series(recording: Recording, index: int) -> Series:
-    """The run's charts, x in seconds since its first step, with the marker on the ``index``-th sample.
+def replay_series(recording: Recording, frame: int) -> Series:
+    """The run's charts, x in seconds since its first step, with the marker on its ``frame``-th step.
 
-    The hit rate here is the run's own: hits over prompt tokens admitted since the run started.
-    """
+    Occupancy and evictions are the pool's, step by step through the run's window (other visitors' steps included:
+    the pool is shared). The hit rate is the run's own: its requests' cached prompt tokens over their prompt
+    tokens, admission by admission (``StepSample.admitted``)."""
     samples = recording.samples
+    mine = set(recording.request_ids)
     start = samples[0].time - samples[0].duration_s if samples else 0.0
     hits = queries = 0
     evictions: int | None = 0
     hit_rate: list[float | None] = []
     evicted: list[int | None] = []
+    admitted_x: list[float] = []
+    admitted_rate: list[float] = []
     for s in samples:
-        hits, queries = hits + s.hit_tokens, queries + s.query_tokens
+        own = [(prompt, cached) for rid, prompt, cached in s.admitted if rid in mine]
+        if own:
+            step_q, step_h = sum(p for p, _ in own), sum(c for _, c in own)
+            hits, queries = hits + step_h, queries + step_q
+            admitted_x.append(round(s.time - start, 3))
+            admitted_rate.append(step_h / step_q if step_q else 0.0)
         evictions = None if evictions is None or s.evictions is None else evictions + s.evictions
         hit_rate.append(hits / queries if queries else None)
         evicted.append(evictions)
-    admitted = [s for s in samples if s.query_tokens]
     x = [round(s.time - start, 3) for s in samples]
     base = recording.base.pages
+    index = recording.samples_at(frame)
     return Series(
         x_title="seconds into the run",
         ages=[0.0, *x],
@@ -160,7 +218,9 @@ def replay_series(recording: Recording, index: int) -> Series:
         free=[sum(p.state == "free" for p in base), *(s.free_pages for s in samples)],
         evictions=[0, *evicted],
         hit_rate=[None, *hit_rate],
-        step_hit_ages=[round(s.time - start, 3) for s in admitted],
-        step_hit_rate=[s.hit_tokens / s.query_tokens for s in admitted],
+        step_hit_ages=admitted_x,
+        step_hit_rate=admitted_rate,
         marker=x[index - 1] if index > 0 and x else 0.0,
+        prefix_caching=recording.prefix_caching,
+        hit_rate_scope="your run",
     )

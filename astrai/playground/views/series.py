@@ -25,6 +25,7 @@ class Series:
     step_hit_rate: list[float]  # ... and the hit share of the prompt tokens they admitted
     marker: float | None = None  # replay: the x of the step shown
     prefix_caching: bool = True  # off: nothing is looked up, so there is no hit rate to draw (not 0%)
+    hit_rate_scope: str = "since the engine started"  # whose prompts the hit-rate line counts
 
 
 def series(history: Sequence[StepSample], stats: CacheStats, now: float, window_s: float = 120.0) -> Series:

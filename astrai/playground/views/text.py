@@ -30,13 +30,16 @@ HIT_RATE_CAPTION = (
 )
 
 
-def badge(info: RequestInfo | None) -> str:
+def badge(info: RequestInfo | None, caching: bool = True) -> str:
     """A panel's figures. While its request runs, only those that are settled (prompt, cached, TTFT): the badge
-    then changes a few times per run, not at every refresh (each change costs the streaming text browser frames)."""
+    then changes a few times per run, not at every refresh (each change costs the streaming text browser frames).
+    ``caching``: its engine looks prompts up; off, the badge says so rather than "0 cached"."""
     if info is None:
         return ""
     parts = [f"**{info.prompt_tokens}** prompt tokens"]
-    if info.cached_tokens is not None and info.prompt_tokens:
+    if not caching:
+        parts.append("prefix caching off")
+    elif info.cached_tokens is not None and info.prompt_tokens:
         parts.append(f"**{info.cached_tokens}** cached ({100 * info.cached_tokens / info.prompt_tokens:.0f}%)")
     if info.ttft is not None:
         parts.append(f"TTFT {info.ttft:.2f} s")
@@ -45,7 +48,8 @@ def badge(info: RequestInfo | None) -> str:
     elif info.tokens_per_s:
         parts.append(f"{info.tokens_per_s:.1f} tok/s")
     if info.preemptions:
-        parts.append(f"preempted ×{info.preemptions}")
+        again = f", {info.recomputed_tokens} tokens computed again" if info.recomputed_tokens else ""
+        parts.append(f"preempted ×{info.preemptions}{again}")
     if info.status == "failed" and info.error:
         parts.append(f"failed: {info.error}")
     elif info.status in ("cancelled", "failed"):
@@ -53,26 +57,51 @@ def badge(info: RequestInfo | None) -> str:
     return " · ".join(parts)
 
 
-def token_highlights(
-    info: RequestInfo, decode: Callable[[list[int]], str], special_ids: set[int]
-) -> list[tuple[str, str]]:
-    """The prompt's tokens labelled "cached" or "computed" (for gr.HighlightedText), capped for the page's sake."""
+Decode = Callable[[Sequence[int]], str]
+
+
+def readable(decode: Decode, special_ids: set[int]) -> Decode:
+    """``decode`` with special tokens shown as ``SPECIAL_TOKEN_TEXT``: the one way every view (token colouring, page
+    hovers, the prefix tree, replay) writes tokens, so a start-of-text token reads the same everywhere."""
+
+    def shown(token_ids: Sequence[int]) -> str:
+        out, run = [], []
+        for token in token_ids:
+            if token in special_ids:
+                if run:
+                    out.append(decode(run))
+                    run = []
+                out.append(SPECIAL_TOKEN_TEXT)
+            else:
+                run.append(token)
+        if run:
+            out.append(decode(run))
+        return "".join(out)
+
+    return shown
+
+
+def token_highlights(info: RequestInfo, shown: Decode, caching: bool = True) -> list[tuple[str, str]]:
+    """The prompt's tokens labelled "cached" or "computed" (for gr.HighlightedText), capped for the page's sake;
+    with caching off, all "computed (caching off)"."""
     cached = info.cached_tokens or 0
+    computed = "computed" if caching else "computed (caching off)"
     return [
-        (SPECIAL_TOKEN_TEXT if token in special_ids else decode([token]), "cached" if i < cached else "computed")
+        (shown([token]), "cached" if i < cached and caching else computed)
         for i, token in enumerate(info.prompt_ids[:MAX_HIGHLIGHT_TOKENS])
     ]
 
 
-def request_rows(infos: Sequence[RequestInfo | None], prompts: Sequence[str]) -> list[list]:
-    """One table row per panel that has a request, in ``TABLE_COLUMNS`` order."""
+def request_rows(infos: Sequence[RequestInfo | None], prompts: Sequence[str], caching: bool = True) -> list[list]:
+    """One table row per panel that has a request, in ``TABLE_COLUMNS`` order (cached tokens: "off" where its
+    engine does not cache)."""
     return [
         [
             i + 1,
             prompts[i][:40],
             info.status,
             info.prompt_tokens,
-            info.cached_tokens,
+            info.cached_tokens if caching else "off",
             info.generated_tokens,
             round(info.ttft, 3) if info.ttft is not None else None,
             round(info.tokens_per_s, 1) if info.tokens_per_s else None,
@@ -141,45 +170,51 @@ def unreachable_line(model_label: str, reason: str) -> str:
 
 @dataclass(frozen=True)
 class RunSummary:
-    """What one run cost: prefill tokens computed against submitted, and its times as the visitor saw them."""
+    """What one run cost: prefill tokens computed against submitted, and how soon its first tokens came."""
 
     prompt_tokens: int
-    computed_tokens: int  # prompt tokens not served from the cache (counted at each request's first admission)
+    computed_tokens: int  # prefill tokens the engine ran: prompt tokens the cache did not serve, and recomputation
+    recomputed_tokens: int | None  # of those, computed again after preemptions (None: not reported, vLLM)
     ttft_s: float  # median over the panels
-    total_s: float  # submit to the last token
 
 
-def run_summary(infos: Sequence[RequestInfo | None], total_s: float) -> RunSummary | None:
+def run_summary(infos: Sequence[RequestInfo | None]) -> RunSummary | None:
     """None when any request is unknown (its engine stopped, or forgotten it) or never started: nothing to
     compare."""
     if not infos or any(i is None or i.cached_tokens is None or i.ttft is None for i in infos):
         return None
     known = [i for i in infos if i is not None]
     ttfts = sorted(i.ttft or 0.0 for i in known)
+    again = None if any(i.recomputed_tokens is None for i in known) else sum(i.recomputed_tokens or 0 for i in known)
     return RunSummary(
         prompt_tokens=sum(i.prompt_tokens for i in known),
-        computed_tokens=sum(i.prompt_tokens - (i.cached_tokens or 0) for i in known),
+        computed_tokens=sum(i.prompt_tokens - (i.cached_tokens or 0) for i in known) + (again or 0),
+        recomputed_tokens=again,
         ttft_s=ttfts[len(ttfts) // 2],
-        total_s=total_s,
     )
 
 
-def savings_note(on: RunSummary | None, off: RunSummary | None, small_model: bool) -> str:
-    """The sentence under the savings chart: the token ratio, and why the times may differ little."""
+def savings_note(on: RunSummary | None, off: RunSummary | None, small_model: bool, bigger_model: bool) -> str:
+    """The sentence under the savings chart: the token counts, why the times may differ little, and what total
+    time would not show (``bigger_model``: a larger model can be loaded here)."""
     if on is None:
         return "Run a batch, then press **Compare with caching off** to run the same prompts without the cache."
-    saved = on.prompt_tokens - on.computed_tokens
+    served = on.prompt_tokens - on.computed_tokens + (on.recomputed_tokens or 0)
     line = (
-        f"With caching, **{on.computed_tokens}** of {on.prompt_tokens} prompt tokens were computed: "
-        f"{saved} ({saved / on.prompt_tokens:.0%}) came from the cache."
+        f"With caching, **{on.computed_tokens}** prefill tokens were computed for {on.prompt_tokens} prompt tokens: "
+        f"{served} ({served / on.prompt_tokens:.0%}) came from the cache"
     )
+    line += f", and {on.recomputed_tokens} were computed again after preemptions." if on.recomputed_tokens else "."
     if off is None:
         return line + " Press **Compare with caching off** for the other side."
-    line += f" Without it, all {off.computed_tokens} were computed."
+    line += f" Without it, **{off.computed_tokens}** were computed."
+    line += (
+        " The time to first token follows the prefill work; total time is not compared, since it is mostly decoding, "
+        "which caching does not change (and the two halves ran one after the other on a shared machine)."
+    )
     if small_model:
-        line += (
-            " The embedded model is tiny, so prefill costs little next to the per-step overheads and the times "
-            "differ little; the token count is the work saved. Load a larger model (Engine settings) to see the "
-            "time follow the tokens."
-        )
+        line += " The embedded model is tiny, so prefill costs little next to each step's fixed cost, and the TTFTs "
+        line += "differ little: the token count is the work saved."
+        if bigger_model:
+            line += " Load a larger model (Engine settings) to see the time follow the tokens."
     return line

@@ -3,6 +3,11 @@
 Every indexed page is a node whose parent is the page its chained key was built on, so the tree branches exactly
 where prompts diverge. Pages evicted since the last drawing appear once more, as ghosts, where they were. A large
 tree collapses each run of single-child pages of one kind into one node ("5 pages"), so 1,024 pages stay legible.
+
+With a ``focus`` (the request ids of the visitor's last run), the tree draws that run's pages (those it uses or
+stored, and the pages they chain from, which it hit) and gathers every other indexed page into one node: on an
+engine a class shares, the branches of one run stay readable. The counts are always the whole index's, so they
+agree with the stats line.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ LABEL_CHARS = 24
 class TreeNode:
     id: str
     parent: str
-    kind: str  # "in_use" | "cached" | "evicted"
+    kind: str  # "in_use" | "cached" | "evicted" | "others" (with a focus: every page not the focused run's)
     panel: int | None  # this visitor's first panel using it, for the colour
     lru_rank: int | None
     pages: list[int] = field(default_factory=list)
@@ -31,6 +36,8 @@ class TreeNode:
 
     @property
     def label(self) -> str:
+        if self.kind == "others":
+            return f"{len(self.pages)} other pages (earlier runs, other sessions)"
         if any(t is None for t in self.texts):
             text = "other session"
         else:
@@ -42,10 +49,15 @@ class TreeNode:
 @dataclass(frozen=True)
 class Tree:
     nodes: list[TreeNode]
-    pages: int  # indexed pages drawn (ghosts excluded)
+    pages: int  # indexed pages, the whole index (ghosts excluded)
     in_use: int
     cached: int
-    evicted: int
+    evicted: int  # ghosts drawn
+    focused: int | None = None  # with a focus: the focused run's pages drawn (the rest are in ``others``)
+    others: int = 0  # indexed pages gathered into the "other pages" node
+
+
+OTHERS = "others"
 
 
 def prefix_tree(
@@ -53,24 +65,29 @@ def prefix_tree(
     evicted: Sequence[PageEvicted],
     owners: dict[int, Owner],
     session: str,
-    decode: Callable[[list[int]], str],
+    decode: Callable[[Sequence[int]], str],
+    focus: set[int] | None = None,
 ) -> Tree:
     nodes: dict[str, TreeNode] = {}
+    used_by: dict[str, bool] = {}  # key -> the focused run uses or stored the page
     for record in records:
         if record.key is None:
             continue
         mine, visible = visible_panels(record, owners, session)
-        nodes[record.key.hex()] = TreeNode(
-            id=record.key.hex(),
+        key = record.key.hex()
+        nodes[key] = TreeNode(
+            id=key,
             parent=record.parent_key.hex() if record.parent_key else ROOT,
             kind=record.state,
             panel=mine[0] if mine else None,
             lru_rank=record.lru_rank,
             pages=[record.page],
-            texts=[decode(list(record.token_ids)) if visible else None],
+            texts=[decode(record.token_ids) if visible else None],
             hits=record.hits,
         )
-    live = len(nodes)
+        used_by[key] = focus is not None and (record.stored_by in focus or bool(focus.intersection(record.requests)))
+    kinds = [n.kind for n in nodes.values()]
+    whole = (len(nodes), kinds.count("in_use"), kinds.count("cached"))
     for event in evicted:
         key = event.key.hex()
         if key not in nodes:  # the text of an evicted page is shown to nobody: its owner may be unknown by now
@@ -79,9 +96,30 @@ def prefix_tree(
     for node in nodes.values():
         if node.parent != ROOT and node.parent not in nodes:
             node.parent = ROOT  # its parent left before it (a clear): hang it on the root
+    focused, others = None, 0
+    if focus is not None:
+        kept = _with_ancestors({k for k, used in used_by.items() if used}, nodes)
+        kept |= {k for k, n in nodes.items() if n.kind == "evicted" and (n.parent == ROOT or n.parent in kept)}
+        gathered = [n for k, n in nodes.items() if k not in kept]
+        nodes = {k: n for k, n in nodes.items() if k in kept}
+        focused, others = len([n for n in nodes.values() if n.kind != "evicted"]), len(gathered)
+        if gathered:
+            nodes[OTHERS] = TreeNode(OTHERS, ROOT, "others", None, None, [p for n in gathered for p in n.pages], [])
     ordered = _collapse(nodes) if len(nodes) > COLLAPSE_OVER else list(nodes.values())
-    kinds = [n.kind for n in nodes.values()]
-    return Tree(ordered, live, kinds.count("in_use"), kinds.count("cached"), kinds.count("evicted"))
+    ghosts = sum(n.kind == "evicted" for n in nodes.values())
+    return Tree(ordered, *whole, ghosts, focused, others)
+
+
+def _with_ancestors(keys: set[str], nodes: dict[str, TreeNode]) -> set[str]:
+    """``keys`` and every page they chain from (a run's hits are its pages' ancestors)."""
+    kept, todo = set(), list(keys)
+    while todo:
+        key = todo.pop()
+        if key in kept or key not in nodes:
+            continue
+        kept.add(key)
+        todo.append(nodes[key].parent)
+    return kept
 
 
 def _collapse(nodes: dict[str, TreeNode]) -> list[TreeNode]:

@@ -96,7 +96,9 @@ def merge_history(per_replica: Sequence[list[StepSample]]) -> list[StepSample]:
     """The replicas' samples in their shared ``step`` order, the pages they changed renumbered.
 
     A sample's counts (hits, queries, evictions, preemptions in that step) add up across the fleet; its occupancy
-    was its own replica's alone, so it is None here (the per-replica charts read each replica's history)."""
+    was its own replica's alone, so it is None here (the per-replica charts read each replica's history). The
+    requests' tokens and admissions come from the backend's one table of requests, which every replica's sampler
+    reads: they are kept from the first replica's samples only, else a fleet of n replays each token n times."""
     n = len(per_replica)
     tagged = [[(s.step, r, s) for s in samples] for r, samples in enumerate(per_replica)]
     return [
@@ -106,6 +108,8 @@ def merge_history(per_replica: Sequence[list[StepSample]]) -> list[StepSample]:
             used_pages=None,
             cached_pages=None,
             page_changes=tuple(_renumber(p, r, n) for p in s.page_changes),
+            sampled=s.sampled if r == 0 else (),
+            admitted=s.admitted if r == 0 else (),
         )
         for _, r, s in heapq.merge(*tagged, key=lambda t: t[0])
     ]

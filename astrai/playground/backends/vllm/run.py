@@ -144,6 +144,7 @@ class VllmRun:
         replica, and which replicas do not answer now), added to its panel's message."""
         self._client, self._where = client, where
         self._peer = f"vLLM's router at {url}" if routed else f"the vLLM server at {url}"
+        self._routed = routed
         self._state_lock, self._outcomes = lock, outcomes
         self._requests = requests
         self.request_ids = [r.id for r in requests]
@@ -279,9 +280,10 @@ class VllmRun:
         if isinstance(exc, openai.APITimeoutError):
             return f"{self._peer} did not answer in time", True
         if isinstance(exc, openai.APIConnectionError) and started:
-            return f"the connection to {self._peer} broke mid-stream ({exc.__cause__ or exc})", True
+            # through a router, the router answered: what went away is the replica behind it (``where`` names it)
+            return f"the connection to {self._peer} broke mid-stream ({exc.__cause__ or exc})", not self._routed
         if isinstance(exc, openai.APIConnectionError):
-            return f"cannot reach {self._peer} (connection refused)", True
+            return f"cannot reach {self._peer} (connection refused, or lost before it answered)", True
         if isinstance(exc, openai.APIStatusError):
             message = exc.message if isinstance(exc.message, str) else str(exc)
             return f"the vLLM server answered HTTP {exc.status_code}: {message[:300]}", exc.status_code in (

@@ -103,6 +103,7 @@ class Sampler:
         self._pages = BlockPages()
         self._last_counts: dict[str, float] = {}
         self._cursor: dict[int, int] = {}  # request id -> output tokens already put in a sample
+        self._admitted: set[int] = set()  # requests whose usage (prompt and cached tokens) a sample reported
         self._last_signature: tuple = ()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="vllm-sampler")
@@ -118,6 +119,7 @@ class Sampler:
     def forget(self, request_id: int) -> None:
         """Drop what the sampler keeps of a request the backend no longer keeps; the caller holds the lock."""
         self._cursor.pop(request_id, None)
+        self._admitted.discard(request_id)
 
     @property
     def generation(self) -> int:
@@ -253,16 +255,20 @@ class Sampler:
             self._last_counts = counts
             sampled = []
             running = []
+            admitted = []
             for rid, request in self._requests.items():
                 done = self._cursor.get(rid, 0)
                 if len(request.output_ids) > done:
                     sampled += [(rid, t) for t in request.output_ids[done:]]
                     self._cursor[rid] = len(request.output_ids)
+                if request.cached_tokens is not None and rid not in self._admitted:  # its usage told the hit
+                    admitted.append((rid, request.prompt_tokens, request.cached_tokens))
+                    self._admitted.add(rid)
                 if request.status in ("waiting", "running"):
                     running.append(rid)
             _, used, cached, free = _occupancy(metrics, snap)
             signature = (used, cached, metrics.running, metrics.waiting, tuple(running))
-            moved = changes or events or sampled or any(delta.values()) or signature != self._last_signature
+            moved = changes or events or sampled or admitted or any(delta.values()) or signature != self._last_signature
             self._last_signature = signature
             if not moved:
                 return
@@ -290,6 +296,7 @@ class Sampler:
                     requests=tuple(running),
                     sampled=tuple(sampled),
                     page_changes=tuple(changes),
+                    admitted=tuple(admitted),
                 )
             )
 

@@ -1,0 +1,49 @@
+"""The operator's knobs: environment variables read once, at start, each checked against its range.
+
+A value out of range, or not a number, stops the app at start with one line naming the variable, its value and
+what it takes (``KnobError``; app.py prints it), never a traceback and never a silent default. README's
+"Environment knobs" lists the same names and ranges.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+
+class KnobError(ValueError):
+    """An environment variable the playground reads holds a value it cannot use."""
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    default: float
+    low: float
+    high: float
+    integer: bool = True
+
+    def read(self) -> float:
+        raw = os.environ.get(self.name, "").strip()
+        if not raw:
+            return self.default
+        try:
+            value = int(raw) if self.integer else float(raw)
+        except ValueError:
+            value = math.nan
+        if not self.low <= value <= self.high:
+            kind = "an integer" if self.integer else "a number"
+            raise KnobError(f"{self.name}={raw!r}: it takes {kind} from {self.low:g} to {self.high:g}")
+        return value
+
+
+MAX_BATCH = 64  # the largest batch an engine of the playground runs (Engine settings offer 1 to this)
+
+MAX_ENGINES = int(Knob("ASTRAI_MAX_ENGINES", 6, 1, 64).read())
+MAX_CUSTOM_ENGINES = int(Knob("ASTRAI_MAX_CUSTOM_ENGINES", 3, 0, 64).read())
+KV_BUDGET_MB = Knob("ASTRAI_KV_BUDGET_MB", 1024, 1, 1_048_576, integer=False).read()
+ENGINE_IDLE_S = Knob("ASTRAI_ENGINE_IDLE_S", 600, 1, 86_400 * 365, integer=False).read()
+MAX_BATCH_SIZE = int(Knob("ASTRAI_MAX_BATCH_SIZE", 64, 1, MAX_BATCH).read())  # the default engine's batch
+RUN_CONCURRENCY = int(Knob("ASTRAI_RUN_CONCURRENCY", 32, 1, 1024).read())  # runs streaming at once
+QUEUE_SIZE = int(Knob("ASTRAI_QUEUE_SIZE", 64, 1, 100_000).read())  # waiting events past this: "queue is full"
