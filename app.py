@@ -99,6 +99,8 @@ def make_engines(args: argparse.Namespace):
 # the engine's own lines (a first start compiling the model, an engine serving eager and why) reach the console
 logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
 logging.getLogger("astrai").setLevel(logging.INFO)
+
+
 def check_knobs() -> None:
     """The operator's environment knobs (astrai/playground/knobs.py), checked before anything starts: one out of its
     range is one line and an exit, not a traceback."""

@@ -25,8 +25,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import torch
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from astrai import SUPPORTED_DTYPES, InferenceEngine
 from astrai.checkpoints import load_checkpoint
@@ -52,8 +51,8 @@ class _Slot:
 
 @dataclass
 class _Model:
-    model: torch.nn.Module
-    tokenizer: object
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
     config: PretrainedConfig
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from astrai import EngineClosedError, InferenceEngine, RequestFailedError, SamplingParams
 from astrai.observation import CacheSnapshot, CacheStats, EngineEvent, RequestInfo, StepSample
@@ -120,8 +120,8 @@ class LocalBackend:
     def served_by(self, request_ids: list[int]) -> dict[int, Served]:
         return {}
 
-    def decode(self, token_ids: tuple[int, ...] | list[int]) -> str:
-        return self._engine.tokenizer.decode(list(token_ids))
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self._engine.tokenizer.decode(list(token_ids)))
 
     def special_ids(self) -> set[int]:
         return set(self._engine.tokenizer.all_special_ids)

@@ -12,9 +12,9 @@ caption of its own) rather than inventing it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from astrai.observation import CacheSnapshot, CacheStats, EngineEvent, RequestInfo, StepSample
 from astrai.playground.backends.profiles import Profile
@@ -27,11 +27,12 @@ def chat_messages(prefix: str, prompt: str) -> list[dict[str, str]]:
     return [*messages, {"role": "user", "content": prompt}]
 
 
-def format_prompt(tokenizer, prefix: str, prompt: str) -> str:
+def format_prompt(tokenizer: Any, prefix: str, prompt: str) -> str:
     """The text that reaches the model: the chat template when the tokenizer has one, else ``prefix + prompt``
     (so the same prompt text reaches the local engine and a vLLM server)."""
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(chat_messages(prefix, prompt), tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(chat_messages(prefix, prompt), tokenize=False, add_generation_prompt=True)
+        return str(text)
     return prefix + prompt
 
 
@@ -196,7 +197,7 @@ class Backend(Protocol):
         """Which replica served each request, where that is known (a fleet); {} otherwise."""
         ...
 
-    def decode(self, token_ids: tuple[int, ...] | list[int]) -> str: ...
+    def decode(self, token_ids: Sequence[int]) -> str: ...
 
     def special_ids(self) -> set[int]: ...
 

@@ -156,7 +156,8 @@ class LiveCallbacks:
         prefix tree of every replica's blocks in turn; ``everything`` (a fresh page, or the fleet just settled)
         redraws all, so the lines end where the replicas' counters are."""
         cache, now, wall = self.ui.cache, time.time(), time.monotonic()
-        maps, lines = [], []
+        maps: list[tuple[str, list[pages.PageView] | None]] = []
+        lines: list[tuple[str, series.Series]] = []
         for replica, state in zip(backend.replicas, states, strict=True):
             if state.stats is None:
                 maps.append((fleet.replica_map_title(state, None), None))

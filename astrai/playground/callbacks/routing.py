@@ -34,7 +34,12 @@ class RoutingCallbacks:
     def __init__(self, ctx: Context, runs: RunCallbacks):
         self.ctx, self.ui, self.runs = ctx, ctx.ui, runs
 
-    def compare_routing(self, values: dict[str, Any], request: gr.Request, progress=gr.Progress()) -> Update:  # noqa: B008
+    def compare_routing(
+        self,
+        values: dict[str, Any],
+        request: gr.Request,
+        progress: gr.Progress = gr.Progress(),  # noqa: B008 - gradio injects it
+    ) -> Update:
         """Both passes, then the chart; the panels show the last wave of the last pass, and their badges, token
         colouring and table describe those same requests (not the visitor's previous Run)."""
         batch, session = parse_batch(values), session_of(request)

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import gradio as gr
+from gradio.components import Component
 
 from astrai.playground import knobs
 from astrai.playground.backends.profiles import Profile
@@ -210,7 +211,10 @@ class RunCallbacks:
         recording = follow(ctx, visitor)
         frames = len(recording.frames) if recording else 0
         update = self.details(visitor, final=True) | self.savings(visitor)
-        update[controls.step] = gr.Slider(maximum=max(frames, 1), **({"value": frames} if visitor.following else {}))
+        # the slider's range covers the run's steps; it moves to the last one only while the visitor follows live
+        update[controls.step] = (
+            gr.Slider(maximum=max(frames, 1), value=frames) if visitor.following else gr.Slider(maximum=max(frames, 1))
+        )
         note = replay.narrate(recording, frames) if recording else ""
         if frames > 1:
             note = f"{note}  \n**Replay ▶ ¼×** plays your run's {frames} steps slowly, one at a time."
@@ -292,7 +296,7 @@ class RunCallbacks:
             self.after_run, None, after_outputs, api_visibility="private", **AFTER_RUN, **QUIET
         )
         buttons.clear.click(self.clear_cache, api_name="clear_cache", concurrency_limit=4)
-        turns = {"n_panels": ui.form.n_panels}
+        turns: dict[str, Component] = {"n_panels": ui.form.n_panels}
         for i, (prompt, output) in enumerate(zip(panels.prompts, panels.outputs, strict=True)):
             turns |= {f"prompt_{i + 1}": prompt, f"output_{i + 1}": output}
         inputs, fn = by_name(turns, self.follow_up)

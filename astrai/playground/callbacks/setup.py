@@ -10,10 +10,11 @@ import json
 from typing import Any
 
 import gradio as gr
+from gradio.components import Component
 
 from astrai.playground.backends.profiles import EngineSettings, Profile
 from astrai.playground.backends.protocol import BackendError, EngineLimitReached
-from astrai.playground.callbacks.context import QUIET, Context, session_of
+from astrai.playground.callbacks.context import QUIET, Context, Update, session_of
 from astrai.playground.scenarios import LESSON_PROFILES, SCENARIO_BY_NAME, Lesson
 from astrai.playground.ui.components import MAX_PANELS, by_name, fixed
 
@@ -39,12 +40,17 @@ class SetupCallbacks:
         profiles = (ctx.engines.default, *LESSON_PROFILES, *(s.profile for s in ctx.lesson.scenarios))
         self.known = {p: p for p in profiles}
 
-    def load_scenario(self, name, request: gr.Request, progress=gr.Progress()) -> dict:  # noqa: B008 - gradio injects it
-        scenario = SCENARIO_BY_NAME.get(name)
+    def load_scenario(
+        self,
+        name: str | None,
+        request: gr.Request,
+        progress: gr.Progress = gr.Progress(),  # noqa: B008 - gradio injects it
+    ) -> Update:
+        scenario = SCENARIO_BY_NAME.get(name or "")
         if scenario is None:
             return {}
         ui, setup = self.ui, self.ui.setup
-        update: dict = {
+        update: Update = {
             setup.note: f"**{scenario.name}:** {scenario.explanation}",
             ui.form.shared_prefix: scenario.prefix,
             ui.form.n_panels: len(scenario.prompts),
@@ -56,7 +62,13 @@ class SetupCallbacks:
         update |= dict.fromkeys(ui.panels.outputs, "")
         return update | self._move(session_of(request), scenario.profile, progress)
 
-    def lesson(self, index, delta: int, request: gr.Request, progress=gr.Progress()) -> dict:  # noqa: B008
+    def lesson(
+        self,
+        index: int | None,
+        delta: int,
+        request: gr.Request,
+        progress: gr.Progress = gr.Progress(),  # noqa: B008 - gradio injects it
+    ) -> Update:
         """Move through the guided lesson: load the step's scenario and say what to look at."""
         steps = self.ctx.lesson.steps
         i = min(max(int(index or 0) + delta, 0), len(steps) - 1)
@@ -64,7 +76,12 @@ class SetupCallbacks:
         update = self.load_scenario(step.scenario, request, progress)
         return update | {setup.lesson_step: i, setup.scenario: step.scenario, setup.note: self.ctx.lesson.note(i)}
 
-    def apply_settings(self, values: dict[str, Any], request: gr.Request, progress=gr.Progress()) -> dict:  # noqa: B008
+    def apply_settings(
+        self,
+        values: dict[str, Any],
+        request: gr.Request,
+        progress: gr.Progress = gr.Progress(),  # noqa: B008 - gradio injects it
+    ) -> Update:
         """The visitor's own engine: a profile of these settings (shared with visitors who chose the same)."""
         status = self.ui.setup.engine.status
         try:
@@ -85,7 +102,7 @@ class SetupCallbacks:
         profile = self.known.get(wanted, wanted)  # a scenario's settings: that scenario's engine
         return self._move(session_of(request), profile, progress) | {status: self._status(profile)}
 
-    def _move(self, session: str, profile: Profile, progress) -> dict:
+    def _move(self, session: str, profile: Profile, progress: gr.Progress) -> Update:
         """Put the visitor on ``profile``'s engine (building it when needed); show its settings."""
         engines, engine_form = self.ctx.engines, self.ui.setup.engine
         if not engines.chooses_pools:
@@ -136,11 +153,10 @@ class SetupCallbacks:
             **QUIET,
         )
         engine = setup.engine
-        engine_outputs = [engine.model, engine.page_size, engine.n_pages, engine.max_batch_size]
+        engine_outputs: list[Component] = [engine.model, engine.page_size, engine.n_pages, engine.max_batch_size]
         engine_outputs += [engine.prefix_caching, engine.dtype, engine.status, ui.cache.cursor]
-        scenario_outputs = [setup.note, ui.form.shared_prefix, ui.form.n_panels, ui.form.max_tokens]
-        scenario_outputs += [ui.form.cache_namespace]
-        scenario_outputs += [*ui.panels.prompts, *ui.panels.outputs, *engine_outputs]
+        scenario_outputs: list[Component] = [setup.note, ui.form.shared_prefix, ui.form.n_panels, ui.form.max_tokens]
+        scenario_outputs += [ui.form.cache_namespace, *ui.panels.prompts, *ui.panels.outputs, *engine_outputs]
         # builds are rare and short (the lesson's engines are built at start): they never block the chart timer
         setup.scenario.input(
             self.load_scenario,

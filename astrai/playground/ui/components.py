@@ -4,7 +4,7 @@ return dicts keyed by them), never by position in a list."""
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,17 +152,20 @@ def by_name(fields: Mapping[str, gr.Component], handler: Callable[..., Any]) -> 
     names = list(fields)
     injected = list(inspect.signature(handler).parameters.values())[1:]
 
-    def values(args: tuple) -> tuple[dict[str, Any], tuple]:
+    def values(args: tuple[Any, ...]) -> tuple[dict[str, Any], tuple[Any, ...]]:
         return dict(zip(names, args[: len(names)], strict=True)), args[len(names) :]
 
+    wrapper: Callable[..., Any]
     if inspect.isgeneratorfunction(handler):
 
-        def wrapper(*args):
+        def streaming(*args: Any) -> Iterator[Any]:
             named, rest = values(args)
             yield from handler(named, *rest)
+
+        wrapper = streaming
     else:
 
-        def wrapper(*args):
+        def wrapper(*args: Any) -> Any:
             named, rest = values(args)
             return handler(named, *rest)
 
@@ -178,7 +181,7 @@ def fixed(method: Callable, **kwargs: Any) -> Callable:
     kept = [p for name, p in signature.parameters.items() if name not in kwargs]
     names = [p.name for p in kept]
 
-    def bound(*args):
+    def bound(*args: Any) -> Any:
         return method(**dict(zip(names, args, strict=False)), **kwargs)
 
     _describe(bound, method, kept)
@@ -191,7 +194,7 @@ def _describe(wrapper: Callable, handler: Callable, params: list[inspect.Paramet
     all (and then it injects no request)."""
     requests = {p.name for p in params if p.annotation in (gr.Request, "gr.Request")}
     params = [p.replace(annotation=gr.Request if p.name in requests else inspect.Parameter.empty) for p in params]
-    wrapper.__signature__ = inspect.Signature(params)
+    wrapper.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]  # what inspect reads
     wrapper.__annotations__ = dict.fromkeys(requests, gr.Request)
     wrapper.__name__ = handler.__name__
     wrapper.__doc__ = handler.__doc__

@@ -208,13 +208,12 @@ def _highlights() -> tuple[gr.HighlightedText, ...]:
 def _replay_controls() -> ReplayControls:
     with gr.Row(equal_height=False):
         step = gr.Slider(0, 1, value=0, step=1, label="Replay: step of your last run", elem_id="replay_step", scale=4)
-        small = {"size": "sm", "scale": 0}
-        back = gr.Button("◀ step", elem_id="replay_back", min_width=70, **small)
-        play_1x = gr.Button("▶ 1×", elem_id="replay_play", min_width=60, **small)
-        play_slow = gr.Button("▶ ¼×", elem_id="replay_slow", min_width=60, **small)
-        pause = gr.Button("❚❚", elem_id="replay_pause", min_width=50, **small)
-        forward = gr.Button("step ▶", elem_id="replay_fwd", min_width=70, **small)
-        live = gr.Button("Live", elem_id="replay_live", min_width=60, **small)
+        back = gr.Button("◀ step", elem_id="replay_back", min_width=70, size="sm", scale=0)
+        play_1x = gr.Button("▶ 1×", elem_id="replay_play", min_width=60, size="sm", scale=0)
+        play_slow = gr.Button("▶ ¼×", elem_id="replay_slow", min_width=60, size="sm", scale=0)
+        pause = gr.Button("❚❚", elem_id="replay_pause", min_width=50, size="sm", scale=0)
+        forward = gr.Button("step ▶", elem_id="replay_fwd", min_width=70, size="sm", scale=0)
+        live = gr.Button("Live", elem_id="replay_live", min_width=60, size="sm", scale=0)
     note = gr.Markdown("", elem_id="replay_note")
     timer = gr.Timer(REPLAY_TICK_SECONDS, active=False)
     return ReplayControls(step, note, back, forward, play_1x, play_slow, pause, live, timer)

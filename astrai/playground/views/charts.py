@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import plotly.graph_objects as go
+from plotly.basedatatypes import BaseTraceType
 from plotly.subplots import make_subplots
 
 from astrai.playground.views.pages import PageView
@@ -211,7 +212,7 @@ def page_grid(pages: Sequence[PageView], panel_label: Callable[[int], str], cols
     return PageGrid(z, hover, (shared_x, shared_y), rows, cols, shown)
 
 
-def page_cells(grid: PageGrid) -> list[go.BaseTraceType]:
+def page_cells(grid: PageGrid) -> list[BaseTraceType]:
     """The grid's traces: the cells, then the x marks on shared pages."""
     return [
         go.Heatmap(

@@ -54,24 +54,21 @@ def series(history: Sequence[StepSample], stats: CacheStats, now: float, window_
     if stats.evictions is None:
         total = None
     admitted = [s for s in samples if s.query_tokens]
-    columns = [
-        [round(s.time - now, 3) for s in samples] + [0.0],
-        [s.used_pages for s in samples] + [stats.used_pages],
-        [s.cached_pages for s in samples] + [stats.cached_pages],
-        [s.free_pages for s in samples] + [stats.free_pages],
-        evictions + [total],
-        hit_rate + [stats.hit_rate if stats.query_tokens else None],
-    ]
-    keep = _points_to_draw(columns[0], list(zip(*columns[1:], strict=True)))
-    ages, used, cached, free, evicted, rates = ([column[i] for i in keep] for column in columns)
+    x = [round(s.time - now, 3) for s in samples] + [0.0]
+    used = [s.used_pages for s in samples] + [stats.used_pages]
+    cached = [s.cached_pages for s in samples] + [stats.cached_pages]
+    free = [s.free_pages for s in samples] + [stats.free_pages]
+    evictions.append(total)
+    hit_rate.append(stats.hit_rate if stats.query_tokens else None)
+    keep = _points_to_draw(x, list(zip(used, cached, free, evictions, hit_rate, strict=True)))
     return Series(
         x_title="seconds ago",
-        ages=ages,
-        used=used,
-        cached=cached,
-        free=free,
-        evictions=evicted,
-        hit_rate=rates,
+        ages=[x[i] for i in keep],
+        used=[used[i] for i in keep],
+        cached=[cached[i] for i in keep],
+        free=[free[i] for i in keep],
+        evictions=[evictions[i] for i in keep],
+        hit_rate=[hit_rate[i] for i in keep],
         step_hit_ages=[round(s.time - now, 3) for s in admitted],
         step_hit_rate=[s.hit_tokens / s.query_tokens for s in admitted],
         prefix_caching=stats.prefix_caching,

@@ -65,7 +65,8 @@ def readable(decode: Decode, special_ids: set[int]) -> Decode:
     hovers, the prefix tree, replay) writes tokens, so a start-of-text token reads the same everywhere."""
 
     def shown(token_ids: Sequence[int]) -> str:
-        out, run = [], []
+        out: list[str] = []
+        run: list[int] = []
         for token in token_ids:
             if token in special_ids:
                 if run:

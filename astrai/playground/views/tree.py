@@ -136,7 +136,7 @@ def _collapse(nodes: dict[str, TreeNode]) -> list[TreeNode]:
             if (child.kind, child.panel, child.texts[0] is None) == (head.kind, head.panel, head.texts[0] is None):
                 head.pages += child.pages
                 head.texts += child.texts
-                head.hits = None if None in (head.hits, child.hits) else max(head.hits, child.hits)
+                head.hits = None if head.hits is None or child.hits is None else max(head.hits, child.hits)
                 merged_into[child.id] = head.id
     kept = [n for n in nodes.values() if n.id not in merged_into]
     for node in kept:

@@ -107,9 +107,9 @@ class VllmBackend:
         subscribers: Sequence[Any],
         sample_every_s: float,
     ) -> None:
-        for spec in [*replicas, *routers]:
-            if not spec.url.startswith(("http://", "https://")):
-                raise ValueError(f"--vllm-url / --router-url must be an http(s) URL, got {spec.url!r}")
+        for url in [*(r.url for r in replicas), *(r.url for r in routers)]:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"--vllm-url / --router-url must be an http(s) URL, got {url!r}")
         self._routers = [Router(spec) for spec in routers]
         # runs go to the (first) router, or to the one server; the model and its text come from there too
         self.url = (self._routers[0].url if self._routers else replicas[0].url).rstrip("/")
@@ -209,10 +209,10 @@ class VllmBackend:
         with self._tokenizer_lock:
             return tuple(self._tokenizer(text)["input_ids"])
 
-    def decode(self, token_ids: tuple[int, ...] | list[int]) -> str:
+    def decode(self, token_ids: Sequence[int]) -> str:
         if self._tokenizer is not None:
             with self._tokenizer_lock:
-                return self._tokenizer.decode(list(token_ids))
+                return str(self._tokenizer.decode(list(token_ids)))
         return self._text.decode(tuple(token_ids))
 
     def special_ids(self) -> set[int]:

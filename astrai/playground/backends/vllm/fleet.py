@@ -15,8 +15,9 @@ from __future__ import annotations
 import dataclasses
 import heapq
 from collections.abc import Iterable, Sequence
+from typing import Any
 
-from astrai.observation import CacheSnapshot, CacheStats, EngineEvent, PageRecord, StepSample
+from astrai.observation import CacheSnapshot, CacheStats, EngineEvent, PageEvicted, PageRecord, PageStored, StepSample
 from astrai.playground.backends.protocol import BackendUnavailable, Served, fleet_page
 from astrai.playground.backends.vllm.replica import Replica
 
@@ -39,7 +40,7 @@ def merge_stats(stats: Sequence[CacheStats]) -> CacheStats:
     """The replicas' stats as one cache's (``stats`` non-empty). Outcomes and generated tokens are this app's and
     equal in every replica's stats (they share the backend's counts): taken once."""
     first = stats[0]
-    summed = {}
+    summed: dict[str, Any] = {}  # CacheStats' int | None fields, by name
     for name in SUMMED:
         values = [getattr(s, name) for s in stats]
         summed[name] = None if any(v is None for v in values) else sum(values)
@@ -62,10 +63,11 @@ def merge_stats(stats: Sequence[CacheStats]) -> CacheStats:
 def _recent(stats: Sequence[CacheStats], overall: float | None) -> float | None:
     """The replicas' recent hit rates weighted by their queries (a fleet-wide recent window is not kept)."""
     pairs = [(s.recent_hit_rate, s.query_tokens) for s in stats]
-    if any(rate is None or queries is None for rate, queries in pairs):
+    known = [(rate, queries) for rate, queries in pairs if rate is not None and queries is not None]
+    if len(known) < len(pairs):
         return overall
-    weight = sum(q for _, q in pairs)  # type: ignore[misc]
-    return sum(r * q for r, q in pairs) / weight if weight else overall  # type: ignore[operator]
+    weight = sum(q for _, q in known)
+    return sum(r * q for r, q in known) / weight if weight else overall
 
 
 def _renumber(record: PageRecord, replica: int, replicas: int) -> PageRecord:
@@ -80,13 +82,16 @@ def merge_snapshots(snapshots: Sequence[CacheSnapshot]) -> CacheSnapshot:
     return CacheSnapshot(max((s.step for s in snapshots), default=0), tuple(pages))
 
 
+PAGE_EVENTS = (PageStored, PageEvicted)  # the events that name a page
+
+
 def merge_events(per_replica: Sequence[list[EngineEvent]]) -> list[EngineEvent]:
     """The replicas' events in their shared ``seq`` order, pages renumbered."""
     n = len(per_replica)
     tagged = [[(e.seq, r, e) for e in events] for r, events in enumerate(per_replica)]
     merged = []
     for _, replica, event in heapq.merge(*tagged, key=lambda t: t[0]):
-        if hasattr(event, "page"):
+        if isinstance(event, PAGE_EVENTS):
             event = dataclasses.replace(event, page=fleet_page(event.page, replica, n))
         merged.append(event)
     return merged

@@ -220,13 +220,13 @@ def _totals(ranks: dict[str, RankMetrics], model_names: frozenset[str]) -> VllmM
 
 def _weighted_usage(rows: list[RankMetrics]) -> float | None:
     """The pool-wide used fraction: weighted by each rank's block count where every rank reports one."""
-    with_usage = [r for r in rows if r.kv_cache_usage is not None]
-    if not with_usage:
+    usage = [(r.kv_cache_usage, r.num_blocks) for r in rows if r.kv_cache_usage is not None]
+    if not usage:
         return None
-    if all(r.num_blocks for r in with_usage):
-        blocks = sum(r.num_blocks for r in with_usage)  # type: ignore[misc]
-        return sum(r.kv_cache_usage * r.num_blocks for r in with_usage) / blocks  # type: ignore[operator]
-    return sum(r.kv_cache_usage for r in with_usage) / len(with_usage)  # type: ignore[misc]
+    weighted = [(used, blocks) for used, blocks in usage if blocks]
+    if len(weighted) == len(usage):
+        return sum(used * blocks for used, blocks in weighted) / sum(blocks for _, blocks in weighted)
+    return sum(used for used, _ in usage) / len(usage)
 
 
 __all__ = ["MetricsParseError", "RankMetrics", "VllmMetrics", "parse_metrics"]

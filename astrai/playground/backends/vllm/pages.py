@@ -14,6 +14,7 @@ Not thread-safe: the backend calls it under its own lock.
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -69,7 +70,7 @@ class BlockPages:
             cleared = sum(1 for p in self.pages.values() if p.state != "free")
             self.epoch = epoch
             if self._slots:
-                events.append(lambda seq, step, k=cleared: CacheCleared(seq, step, now, k))
+                events.append(functools.partial(CacheCleared, time=now, pages=cleared))
             self._slots.clear()
             self._free_slots = list(range(self._n_slots))  # sorted: a heap
         blocks = snap.blocks
@@ -81,8 +82,11 @@ class BlockPages:
             old = self.pages.get(slot)
             if old is not None and old.key is not None:
                 events.append(
-                    lambda seq, step, o=old: PageEvicted(seq, step, now, o.page, o.key, o.parent_key, o.token_ids)
-                )
+                    functools.partial(
+                        PageEvicted, time=now, page=old.page, key=old.key, parent_key=old.parent_key,
+                        token_ids=old.token_ids,
+                    )
+                )  # fmt: skip
         new_hashes = [h for h in blocks if h not in self._slots]
         for block_hash in sorted(new_hashes, key=lambda h: blocks[h].stored_seq):
             if self._free_slots:
@@ -150,11 +154,14 @@ class BlockPages:
             )
             previous = self.pages.get(slot)
             if previous is None or previous.key != pages[slot].key:
+                p = pages[slot]
+                assert p.key is not None  # a stored block always has its hash
                 events.append(
-                    lambda seq, step, p=pages[slot]: PageStored(
-                        seq, step, now, p.page, p.key, p.parent_key, p.chain_pos, p.stored_by, p.token_ids
+                    functools.partial(
+                        PageStored, time=now, page=p.page, key=p.key, parent_key=p.parent_key,
+                        chain_pos=p.chain_pos, request=p.stored_by, token_ids=p.token_ids,
                     )
-                )
+                )  # fmt: skip
         for slot in range(self._n_slots):
             if slot not in pages:
                 pages[slot] = PageRecord(slot, "free", 0, None, (), -1, None, None, None, 0, ())

@@ -120,7 +120,7 @@ class ServerText:
         response.raise_for_status()
         return response.json()["prompt"]
 
-    def _remember(self, cache: OrderedDict, key, value: str, limit: int) -> None:
+    def _remember(self, cache: OrderedDict[Any, str], key: object, value: str, limit: int) -> None:
         with self._lock:
             cache[key] = value
             cache.move_to_end(key)

@@ -23,7 +23,7 @@ import hashlib
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,7 +159,7 @@ class VllmRun:
         for thread in self._threads:
             thread.start()
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[tuple[int, str]]:
         pending, failures = len(self._threads), {}
         while pending:
             try:
