@@ -20,10 +20,9 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
 
 from astrai.eviction import EvictionPolicy, PolicyFactory, make_policy
-from astrai.observation import EngineEvent, PageEvicted, PageStored
+from astrai.observation import PageEvicted, PageStored
 
 PageKey = bytes
 Emit = Callable[..., None]  # emit(EventClass, **fields): the engine stamps seq, step and time
@@ -84,7 +83,7 @@ class PagePool:
         self.free: list[int] = list(range(n_pages))  # a heap (a sorted list is one)
         self._used = 0  # pages with ref count >= 1, kept as refs go 0 -> 1 -> 0 (see ``used_pages``)
         self.stats = PoolStats()
-        self._emit: Emit = emit or _ignore
+        self._emit = emit  # None (a pool used on its own: tests, the trace replay): no event is built
         self.policy: EvictionPolicy = make_policy(eviction, self)  # holds the cached pages; reads the lists above
 
     # ----- queries -------------------------------------------------------------------------------------
@@ -150,15 +149,16 @@ class PagePool:
 
     def release(self, pages: Sequence[int]) -> None:
         """Drop one reference on each page, tail-first, so a request's tail pages are evicted before its head."""
+        ref_count, key, cached, touch = self.ref_count, self.key, self.policy.cached, self.touch
         for page in reversed(pages):
-            if self.ref_count[page] <= 0:
+            if ref_count[page] <= 0:
                 raise RuntimeError(f"page {page} released more often than acquired")
-            self.ref_count[page] -= 1
-            self.touch(page)
-            if self.ref_count[page] == 0:
+            ref_count[page] -= 1
+            touch(page)
+            if ref_count[page] == 0:
                 self._used -= 1
-                if self.key[page] is not None:
-                    self.policy.cached(page)
+                if key[page] is not None:
+                    cached(page)
                 else:
                     self._reset(page)
                     heapq.heappush(self.free, page)
@@ -189,15 +189,16 @@ class PagePool:
         self.stats.stored += 1
         self.policy.stored(page)
         self.touch(page)
-        self._emit(
-            PageStored,
-            page=page,
-            key=key,
-            parent_key=parent,
-            chain_pos=chain_pos,
-            request=request,
-            token_ids=token_ids,
-        )
+        if self._emit is not None:
+            self._emit(
+                PageStored,
+                page=page,
+                key=key,
+                parent_key=parent,
+                chain_pos=chain_pos,
+                request=request,
+                token_ids=token_ids,
+            )
         return True
 
     def clear(self) -> int:
@@ -227,7 +228,8 @@ class PagePool:
         self._forget(page)
         self.stats.evictions += 1
         self.touch(page)
-        self._emit(PageEvicted, page=page, key=key, parent_key=parent, token_ids=tokens or ())
+        if self._emit is not None:
+            self._emit(PageEvicted, page=page, key=key, parent_key=parent, token_ids=tokens or ())
         return page
 
     def _forget(self, page: int) -> None:
@@ -285,7 +287,3 @@ class PagePool:
         referenced = sum(ref > 0 for ref in self.ref_count)
         assert self.used_pages == referenced, f"used_pages {self.used_pages} != {referenced} referenced pages"
         assert self.free_pages + self.cached_pages + self.used_pages == self.n_pages, "the states do not add up"
-
-
-def _ignore(event: type[EngineEvent], **fields: Any) -> None:
-    """The default ``emit`` of a pool used on its own (tests): events go nowhere."""
