@@ -212,9 +212,10 @@ class Arc(EvictionPolicy):
     Why ARC: on the conversation trace, blocks reused once are far likelier to be reused again (a conversation that
     came back comes back), so keeping ``T2`` apart from one-off blocks beats plain recency where the cache is small.
     Token hit rates, LRU -> ARC (``python -m astrai.lab``), conversation trace: 4.59 -> 5.97% at 1,000 blocks,
-    14.37 -> 16.16% at 5,859, 29.95 -> 30.35% at 20,000, but 36.32 -> 35.24% at 50,000 (from about 25,000 blocks on
-    LRU is better: a cache that large serves long-gap conversations, whose blocks sit in ``T1``); synthetic trace:
-    8.68 -> 9.14%, 32.10 -> 33.84%, 59.28 -> 60.65%, equal at 50,000 (the ceiling, 65.04%). The other candidates,
+    14.37 -> 16.16% at 5,859, 29.95 -> 30.35% at 20,000, but 36.32 -> 35.24% at 50,000 (LRU is better from between
+    22,000 and 24,000 blocks on: a cache that large serves long-gap conversations, whose blocks sit in ``T1``);
+    synthetic trace: 8.68 -> 9.14%, 32.10 -> 33.84%, 59.28 -> 60.65%, equal at 50,000 (the ceiling, 65.04%), and
+    behind only near 1,500 blocks (12.58 -> 12.52%, ``assets/traces/curves.json``). The other candidates,
     measured with a stand-alone simulation of the replay's rules (which gives these four policies' numbers exactly):
     S3-FIFO (10% small queue, ghosts, frequency capped at 3) 5.47 / 15.96 / 25.77 / 35.29% on the conversation trace,
     above LRU only below about 6,000 blocks and below ARC everywhere but 50,000 (by 0.05 points); "leaves only" LRU
