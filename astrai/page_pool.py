@@ -140,8 +140,10 @@ class PagePool:
         self.touch(page)
 
     def allocate(self) -> int:
-        """A fresh page with ref count 1: from the free list, else the page the policy evicts."""
-        page = heapq.heappop(self.free) if self.free else self._evict()
+        """A fresh page with ref count 1: the lowest free one, after evicting the policy's victim if none is free."""
+        if not self.free:
+            self.evict()
+        page = heapq.heappop(self.free)
         self.ref_count[page] = 1
         self._used += 1
         self.touch(page)
@@ -215,28 +217,19 @@ class PagePool:
 
     def evict(self) -> int:
         """Evict the page the policy picks (one must be cached): its KV is forgotten and it goes free. Returns it."""
-        page = self._evict()
-        heapq.heappush(self.free, page)
-        return page
-
-    def _evict(self) -> int:
-        """Take the policy's victim out of the index; the caller puts it on the free list or hands it out."""
         if not self.policy:
             raise MemoryError("no free or evictable page left")
         page = self.policy.victim()
         key, parent, tokens = self.key[page], self.parent_key[page], self.tokens[page]
-        self._forget(page)
+        if key is not None and self.index.get(key) == page:
+            del self.index[key]
+        self._reset(page)
+        heapq.heappush(self.free, page)
         self.stats.evictions += 1
         self.touch(page)
         if self._emit is not None:
             self._emit(PageEvicted, page=page, key=key, parent_key=parent, token_ids=tokens or ())
         return page
-
-    def _forget(self, page: int) -> None:
-        key = self.key[page]
-        if key is not None and self.index.get(key) == page:
-            del self.index[key]
-        self._reset(page)
 
     def _reset(self, page: int) -> None:
         self.key[page] = None
