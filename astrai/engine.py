@@ -79,6 +79,9 @@ class InferenceEngine:
     (``dtype``, ``device``, ``packed_weights``, ``attention_kernel``, ``compile``) must then equal the first engine's,
     or the constructor raises ``ValueError``. The last engine on the model to shut down hands it back as it came.
 
+    ``eviction`` picks which cached page a full pool gives up first: a name of ``astrai.eviction.POLICIES`` ("lru",
+    the default, "fifo", "lfu" or "arc"); another raises ``ValueError``.
+
     ``compile`` (the default on the CPU) serves the model compiled by ``torch.compile``, loaded from the on-disk
     cache when this machine compiled that model before (seconds), else compiled now (a minute or so on 2 cores) and
     cached (``compiled_forward.py``); where it cannot be compiled (no C++ compiler), the engine logs a warning and
@@ -121,6 +124,7 @@ class InferenceEngine:
         max_seq_len: int | None = None,
         max_batched_tokens: int = 512,
         prefix_caching: bool = True,
+        eviction: str = "lru",
         dtype: str = "float32",
         device: str | torch.device | None = None,
         packed_weights: bool | None = None,
@@ -169,7 +173,7 @@ class InferenceEngine:
         self.steps = 0  # completed steps; events of the step in progress carry steps + 1
         self._generated_tokens = 0
 
-        self.pool = PagePool(n_pages, page_size, emit=self._emit)
+        self.pool = PagePool(n_pages, page_size, emit=self._emit, eviction=eviction)
         self.cache = KVCacheManager(self.pool, prefix_caching)
         self.scheduler = Scheduler(self.cache, max_batch_size, max_batched_tokens, self._emit)
         self.runner = ModelRunner(model, n_pages, page_size, preparation, progress)

@@ -1,28 +1,28 @@
-"""The page pool: fixed-size KV pages with ref counts, a prefix index and an LRU of cached pages.
+"""The page pool: fixed-size KV pages with ref counts, a prefix index and an eviction policy over cached pages.
 
 Every page is in exactly one state:
 
 * ``free``   - holds no KV worth keeping; sits in the free list.
 * ``in_use`` - ref count >= 1.
-* ``cached`` - ref count 0, but its complete KV is indexed by its chained hash and it sits in the LRU.
+* ``cached`` - ref count 0, but its complete KV is indexed by its chained hash and its eviction policy holds it.
 
-The LRU is an ``OrderedDict`` (move/pop by key, O(1)) and the index a dict. The free list is a min-heap
-(O(log n)): a fresh page is always the lowest-numbered free one, so the pages in use stay packed at the low end
-of the pool and a page map of a large, lightly used pool stays legible. Eviction only happens when the free list
-is empty.
+The policy (``astrai/eviction.py``; LRU unless the engine names another) orders the cached pages for eviction, in
+O(1) or O(log n) per call, and the index is a dict. The free list is a min-heap (O(log n)): a fresh page is always
+the lowest-numbered free one, so the pages in use stay packed at the low end of the pool and a page map of a large,
+lightly used pool stays legible. ``allocate`` evicts only when the free list is empty; ``evict`` evicts on demand
+(the trace replay trims its cache to a capacity so).
 """
 
 from __future__ import annotations
 
 import hashlib
 import heapq
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
 
-from astrai.observation import EngineEvent, PageEvicted, PageStored
+from astrai.eviction import EvictionPolicy, PolicyFactory, make_policy
+from astrai.observation import PageEvicted, PageStored
 
 PageKey = bytes
 Emit = Callable[..., None]  # emit(EventClass, **fields): the engine stamps seq, step and time
@@ -51,16 +51,22 @@ def page_key(parent: PageKey | None, tokens: Sequence[int], salt: str | None = N
 
 @dataclass
 class PoolStats:
-    """Counters that only ever grow; occupancy is the pool's: its free list, its LRU and ``used_pages``."""
+    """Counters that only ever grow; occupancy is the pool's: its free list, its policy and ``used_pages``."""
 
     evictions: int = 0
     stored: int = 0
 
 
 class PagePool:
-    """Owns page bookkeeping (not the KV tensors themselves): states, ref counts, hashes, LRU, free list."""
+    """Owns page bookkeeping (not the KV tensors themselves): states, ref counts, hashes, eviction order, free list.
 
-    def __init__(self, n_pages: int, page_size: int, emit: Emit | None = None):
+    ``eviction`` names a policy of ``astrai.eviction.POLICIES`` (a ``ValueError`` names the choices otherwise) or is
+    a factory of one (the trace replay's Belady, which needs the future).
+    """
+
+    def __init__(
+        self, n_pages: int, page_size: int, emit: Emit | None = None, eviction: str | PolicyFactory = "lru"
+    ) -> None:
         if n_pages < 1 or page_size < 1:
             raise ValueError(f"n_pages and page_size must be >= 1, got {n_pages} and {page_size}")
         self.n_pages = n_pages
@@ -74,11 +80,11 @@ class PagePool:
         self.hits: list[int] = [0] * n_pages  # prefix hits served since the page was registered
         self.touched: dict[int, None] = {}  # pages changed since ``take_touched``, in the order of their last change
         self.index: dict[PageKey, int] = {}
-        self.lru: OrderedDict[int, None] = OrderedDict()  # first = least recently used
         self.free: list[int] = list(range(n_pages))  # a heap (a sorted list is one)
         self._used = 0  # pages with ref count >= 1, kept as refs go 0 -> 1 -> 0 (see ``used_pages``)
         self.stats = PoolStats()
-        self._emit: Emit = emit or _ignore
+        self._emit = emit  # None (a pool used on its own: tests, the trace replay): no event is built
+        self.policy: EvictionPolicy = make_policy(eviction, self)  # holds the cached pages; reads the lists above
 
     # ----- queries -------------------------------------------------------------------------------------
     @property
@@ -87,7 +93,13 @@ class PagePool:
 
     @property
     def cached_pages(self) -> int:
-        return len(self.lru)
+        return len(self.policy)
+
+    @property
+    def lru(self) -> EvictionPolicy:
+        """The cached pages in eviction order (first = evicted next), whatever the policy; the name is the LRU's,
+        which readers of the pool (the engine's page records) know it by."""
+        return self.policy
 
     @property
     def used_pages(self) -> int:
@@ -98,12 +110,12 @@ class PagePool:
     @property
     def available(self) -> int:
         """Pages an allocation can get: free ones plus evictable cached ones."""
-        return len(self.free) + len(self.lru)
+        return len(self.free) + len(self.policy)
 
     def state(self, page: int) -> PageState:
         if self.ref_count[page] > 0:
             return PageState.IN_USE
-        return PageState.CACHED if page in self.lru else PageState.FREE
+        return PageState.CACHED if page in self.policy else PageState.FREE
 
     def lookup(self, key: PageKey, tokens: Sequence[int]) -> int | None:
         """The page holding exactly these tokens under this chain key, or None.
@@ -117,28 +129,21 @@ class PagePool:
 
     # ----- ref counting ---------------------------------------------------------------------------------
     def acquire(self, page: int) -> None:
-        """Take a reference on an indexed page (a prefix hit); a cached page leaves the LRU ("touch")."""
+        """Take a reference on an indexed page (a prefix hit); a cached page leaves its policy (not evictable)."""
         if self.ref_count[page] == 0:
-            if page not in self.lru:
+            if page not in self.policy:
                 raise RuntimeError(f"page {page} is free; only in-use or cached pages can be shared")
-            del self.lru[page]
+            self.policy.revived(page)
             self._used += 1
         self.ref_count[page] += 1
         self.hits[page] += 1
         self.touch(page)
 
     def allocate(self) -> int:
-        """A fresh page with ref count 1: from the free list, else by evicting the LRU cached page."""
-        if self.free:
-            page = heapq.heappop(self.free)
-        elif self.lru:
-            page, _ = self.lru.popitem(last=False)
-            evicted = dict(key=self.key[page], parent_key=self.parent_key[page], token_ids=self.tokens[page] or ())
-            self._forget(page)
-            self.stats.evictions += 1
-            self._emit(PageEvicted, page=page, **evicted)
-        else:
-            raise MemoryError("no free or evictable page left")
+        """A fresh page with ref count 1: the lowest free one, after evicting the policy's victim if none is free."""
+        if not self.free:
+            self.evict()
+        page = heapq.heappop(self.free)
         self.ref_count[page] = 1
         self._used += 1
         self.touch(page)
@@ -146,15 +151,16 @@ class PagePool:
 
     def release(self, pages: Sequence[int]) -> None:
         """Drop one reference on each page, tail-first, so a request's tail pages are evicted before its head."""
+        ref_count, key, cached, touch = self.ref_count, self.key, self.policy.cached, self.touch
         for page in reversed(pages):
-            if self.ref_count[page] <= 0:
+            if ref_count[page] <= 0:
                 raise RuntimeError(f"page {page} released more often than acquired")
-            self.ref_count[page] -= 1
-            self.touch(page)
-            if self.ref_count[page] == 0:
+            ref_count[page] -= 1
+            touch(page)
+            if ref_count[page] == 0:
                 self._used -= 1
-                if self.key[page] is not None:
-                    self.lru[page] = None
+                if key[page] is not None:
+                    cached(page)
                 else:
                     self._reset(page)
                     heapq.heappush(self.free, page)
@@ -175,42 +181,55 @@ class PagePool:
             raise RuntimeError(f"only an in-use page can be registered, page {page} is not")
         if self.key[page] is not None or key in self.index:
             return False
+        token_ids = tuple(tokens)
         self.index[key] = page
         self.key[page] = key
-        self.tokens[page] = tuple(tokens)
+        self.tokens[page] = token_ids
         self.chain_pos[page] = chain_pos
         self.parent_key[page] = parent
         self.stored_by[page] = request
         self.stats.stored += 1
+        self.policy.stored(page)
         self.touch(page)
-        self._emit(
-            PageStored,
-            page=page,
-            key=key,
-            parent_key=parent,
-            chain_pos=chain_pos,
-            request=request,
-            token_ids=tuple(tokens),
-        )
+        if self._emit is not None:
+            self._emit(
+                PageStored,
+                page=page,
+                key=key,
+                parent_key=parent,
+                chain_pos=chain_pos,
+                request=request,
+                token_ids=token_ids,
+            )
         return True
 
     def clear(self) -> int:
         """Empty the prefix cache: cached pages go free, in-use pages are unindexed. Returns pages freed."""
-        freed = len(self.lru)
+        freed = len(self.policy)
+        for page in self.policy:
+            heapq.heappush(self.free, page)
         for page in self.index.values():
             self._reset(page)
             self.touch(page)
-        for page in self.lru:
-            heapq.heappush(self.free, page)
-        self.lru.clear()
+        self.policy.clear()
         self.index.clear()
         return freed
 
-    def _forget(self, page: int) -> None:
-        key = self.key[page]
+    def evict(self) -> int:
+        """Evict the page the policy picks (one must be cached): its KV is forgotten and it goes free. Returns it."""
+        if not self.policy:
+            raise MemoryError("no free or evictable page left")
+        page = self.policy.victim()
+        key, parent, tokens = self.key[page], self.parent_key[page], self.tokens[page]
         if key is not None and self.index.get(key) == page:
             del self.index[key]
         self._reset(page)
+        heapq.heappush(self.free, page)
+        self.stats.evictions += 1
+        self.touch(page)
+        if self._emit is not None:
+            self._emit(PageEvicted, page=page, key=key, parent_key=parent, token_ids=tokens or ())
+        return page
 
     def _reset(self, page: int) -> None:
         self.key[page] = None
@@ -227,19 +246,21 @@ class PagePool:
 
     # ----- introspection --------------------------------------------------------------------------------
     def take_touched(self) -> list[int]:
-        """The pages changed since the last call, oldest change first; a page's LRU moves keep this order."""
+        """The pages changed since the last call, oldest change first; a page's moves in the policy keep this order."""
         pages = list(self.touched)
         self.touched.clear()
         return pages
 
     def lru_rank(self) -> dict[int, int]:
-        """Rank of each cached page in the LRU: 0 is the next to be evicted."""
-        return {page: rank for rank, page in enumerate(self.lru)}
+        """Eviction rank of each cached page under the pool's policy: 0 is the next to be evicted (the name is the
+        LRU's, which the page records keep)."""
+        return {page: rank for rank, page in enumerate(self.policy)}
 
     def check_invariants(self, live_refs: dict[int, int] | None = None) -> None:
         """Raise AssertionError if the structures disagree. Used by tests and the soak; O(n_pages)."""
-        free, lru = set(self.free), set(self.lru)
+        free, lru = set(self.free), set(self.policy)
         assert len(free) == len(self.free), "free list holds duplicates"
+        assert len(lru) == len(self.policy), "the policy's count and its pages disagree"
         assert not free & lru, "a page is both free and cached"
         for page in range(self.n_pages):
             ref = self.ref_count[page]
@@ -259,7 +280,3 @@ class PagePool:
         referenced = sum(ref > 0 for ref in self.ref_count)
         assert self.used_pages == referenced, f"used_pages {self.used_pages} != {referenced} referenced pages"
         assert self.free_pages + self.cached_pages + self.used_pages == self.n_pages, "the states do not add up"
-
-
-def _ignore(event: type[EngineEvent], **fields: Any) -> None:
-    """The default ``emit`` of a pool used on its own (tests): events go nowhere."""

@@ -8,6 +8,7 @@ import torch
 import torch.utils._triton
 
 from astrai import InferenceEngine
+from astrai.eviction import POLICIES
 from tests.support.tiny_models import FAMILIES, make_model, make_tokenizer, reference_generate
 
 PAGE = 4
@@ -43,6 +44,17 @@ def run_batch(engine: InferenceEngine, prompts: list[str]) -> tuple[list[str], l
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["cache-on", "cache-off"])
 @pytest.mark.parametrize("pool", ["roomy", "tight"])
 def test_greedy_equals_transformers(family, device, prefix_caching, pool):
+    check_greedy(family, device, prefix_caching, pool, "lru")
+
+
+@pytest.mark.parametrize("eviction", [name for name in POLICIES if name != "lru"])
+def test_greedy_equals_transformers_under_every_eviction_policy(family, device, eviction):
+    """The tight pool with caching on, so this policy picks the pages evicted (LRU's case is the test above): which
+    cached pages go first changes the hits, never the tokens."""
+    check_greedy(family, device, True, "tight", eviction)
+
+
+def check_greedy(family, device, prefix_caching: bool, pool: str, eviction: str) -> None:
     model, tokenizer, refs, pages_per_request = family
     # "tight" fits the longest request plus two pages: the batch must evict and preempt to get through.
     n_pages = 256 if pool == "roomy" else pages_per_request + 2
@@ -53,9 +65,11 @@ def test_greedy_equals_transformers(family, device, prefix_caching, pool):
         n_pages=n_pages,
         max_batch_size=6,
         prefix_caching=prefix_caching,
+        eviction=eviction,
         device=device,
         compile=False,
     ) as engine:
+        assert engine.pool.policy.name == eviction
         on_cpu = engine.device.type == "cpu"  # the default path there: oneDNN-packed weights, the C attention kernels;
         assert (engine.runner.packed_linears > 0) == on_cpu  # elsewhere transformers' own layers,
         assert (engine.runner.paged_kernel is not None) == on_cpu  # and attention through PyTorch

@@ -1,4 +1,4 @@
-"""The page pool on its own: states, LRU order, the chained hash, and a stateful property test."""
+"""The page pool on its own: states, LRU order, the chained hash, and a stateful property test per eviction policy."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from astrai.eviction import POLICIES
+from astrai.observation import PageEvicted
 from astrai.page_pool import PagePool, PageState, page_key
 
 
@@ -40,9 +42,9 @@ def test_release_is_tail_first_and_eviction_is_lru():
     for i, p in enumerate(pages):
         pool.register(p, bytes([i]), [i, i], i)
     pool.release(pages)
-    assert list(pool.lru) == pages[::-1]  # the tail goes first into the LRU, so it is evicted first
+    assert list(pool.policy) == pages[::-1]  # the tail goes first into the LRU, so it is evicted first
     pool.acquire(pages[2])  # a hit takes it out of the LRU ("touch")
-    assert pool.state(pages[2]) is PageState.IN_USE and pages[2] not in pool.lru
+    assert pool.state(pages[2]) is PageState.IN_USE and pages[2] not in pool.policy
     assert pool.allocate() == pages[1]  # no free page left: evict the least recently used
     assert pool.stats.evictions == 1
     assert pool.lookup(bytes([1]), [1, 1]) is None
@@ -98,25 +100,43 @@ def test_clear_frees_cached_pages_and_unindexes_in_use_ones():
 
 
 class PoolMachine(RuleBasedStateMachine):
-    """Random alloc / share / register / release / evict / clear sequences against a model of live refs."""
+    """Random alloc / share / register / release / evict / clear sequences against a model of live refs, under one
+    eviction policy (``eviction``; a subclass per policy below)."""
+
+    eviction = "lru"
 
     def __init__(self):
         super().__init__()
-        self.pool = PagePool(6, 2)
+        self.evicted: list[int] = []  # the pages of the PageEvicted events, in order
+        self.pool = PagePool(6, 2, emit=self.record, eviction=self.eviction)
         self.refs: list[int] = []  # every reference a caller holds, one entry per acquire/allocate
         self.evictions = 0
+
+    def record(self, event, **fields):
+        if event is PageEvicted:
+            self.evicted.append(fields["page"])
 
     @precondition(lambda self: self.pool.available > 0)
     @rule()
     def allocate(self):
         evicting = self.pool.free_pages == 0
-        victim = next(iter(self.pool.lru)) if evicting else None
+        ranks = self.pool.lru_rank()
         page = self.pool.allocate()
         if evicting:
             self.evictions += 1
-            assert page == victim, "eviction must take the least recently used page"
+            assert ranks[page] == 0, "eviction must take the page ranked 0 (evicted next)"
+            assert self.evicted[-1] == page, "the eviction was not reported"
         assert page not in self.refs, "an in-use page was handed out again"
         self.refs.append(page)
+
+    @precondition(lambda self: self.pool.cached_pages > 0)
+    @rule()
+    def evict(self):
+        ranks = self.pool.lru_rank()
+        page = self.pool.evict()
+        self.evictions += 1
+        assert ranks[page] == 0 and self.evicted[-1] == page
+        assert self.pool.state(page) is PageState.FREE and self.pool.key[page] is None
 
     @rule(data=st.data())
     def share(self, data):
@@ -161,7 +181,25 @@ class PoolMachine(RuleBasedStateMachine):
         assert self.pool.used_pages == len(live)
 
 
-PoolMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("ASTRAI_FUZZ_EXAMPLES", "300")), stateful_step_count=40, deadline=None
-)
+class FifoPoolMachine(PoolMachine):
+    eviction = "fifo"
+
+
+class LfuPoolMachine(PoolMachine):
+    eviction = "lfu"
+
+
+class ArcPoolMachine(PoolMachine):
+    eviction = "arc"
+
+
+MACHINES = (PoolMachine, FifoPoolMachine, LfuPoolMachine, ArcPoolMachine)
+assert {machine.eviction for machine in MACHINES} == set(POLICIES), "a policy without its state machine"
+for machine in MACHINES:
+    machine.TestCase.settings = settings(
+        max_examples=int(os.environ.get("ASTRAI_FUZZ_EXAMPLES", "300")), stateful_step_count=40, deadline=None
+    )
 test_pool_state_machine = PoolMachine.TestCase
+test_pool_state_machine_fifo = FifoPoolMachine.TestCase
+test_pool_state_machine_lfu = LfuPoolMachine.TestCase
+test_pool_state_machine_arc = ArcPoolMachine.TestCase
