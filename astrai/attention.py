@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,15 @@ class PrefillChunk:
 
 
 @dataclass
+class KernelPrefill:
+    """A step's multi-token chunks as the prefill kernel attends them, all in one call per layer."""
+
+    kernel: PagedKernel
+    spans: torch.Tensor  # [C, 3] (first row, rows, tokens computed before) per chunk
+    pages: torch.Tensor  # [C, Pmax] page table of each chunk, padded with page 0
+
+
+@dataclass
 class PagedBatch:
     """Where every token of one step lives in the paged KV cache. Built once per step, read by every layer.
 
@@ -64,8 +74,7 @@ class PagedBatch:
     decode_bias: torch.Tensor | None  # [1, Bd, 1, Lmax], -inf on padding: PyTorch attention, rows of unequal length
     decode_covers_all: bool  # every row is a decode row: skip the scatter (and the kernel writes the new K/V)
     prefills: list[PrefillChunk]  # multi-token chunks for PyTorch attention (empty where the kernel attends them)
-    prefill_spans: torch.Tensor | None  # [C, 3] (first row, rows, tokens computed before) per chunk, for the kernel
-    prefill_pages: torch.Tensor | None  # [C, Pmax] page table of each chunk, padded with page 0 (the kernel's input)
+    kernel_prefill: KernelPrefill | None  # multi-token chunks for the kernel (None where there are none, or no kernel)
 
 
 def build_paged_batch(
@@ -113,14 +122,19 @@ def build_paged_batch(
         row += count
     table = _page_table(decode_pages)
     lengths = torch.tensor(decode_lengths, dtype=torch.long)
-    slots_table = bias = None
+    slots_table: torch.Tensor | None = None
+    decode_bias: torch.Tensor | None = None
     if paged_kernel is None:  # PyTorch gathers each row's context slots, then masks the padding
         longest = max(decode_lengths, default=0)
         positions = torch.arange(longest)
         slots_table = table[:, positions // page_size] * page_size + positions % page_size
         if any(n < longest for n in decode_lengths):
-            bias = torch.zeros(1, len(decode_lengths), 1, longest, dtype=dtype)
-            bias[0, :, 0].masked_fill_(positions >= lengths.unsqueeze(1), float("-inf"))
+            decode_bias = torch.zeros(1, len(decode_lengths), 1, longest, dtype=dtype)
+            decode_bias[0, :, 0].masked_fill_(positions >= lengths.unsqueeze(1), float("-inf"))
+    kernel_prefill = None
+    if paged_kernel is not None and spans:  # spans are made only where the kernel attends
+        span_tensor = to_device(torch.tensor(spans, dtype=torch.long), device)
+        kernel_prefill = KernelPrefill(paged_kernel, span_tensor, to_device(_page_table(span_pages), device))
     return PagedBatch(
         kv_cache=kv_cache,
         page_size=page_size,
@@ -130,11 +144,10 @@ def build_paged_batch(
         decode_lengths=to_device(lengths, device),
         paged_kernel=paged_kernel,
         decode_table=None if slots_table is None else to_device(slots_table, device),
-        decode_bias=None if bias is None else to_device(bias, device),
+        decode_bias=None if decode_bias is None else to_device(decode_bias, device),
         decode_covers_all=len(decode_rows) == row,
         prefills=prefills,
-        prefill_spans=to_device(torch.tensor(spans, dtype=torch.long), device) if spans else None,
-        prefill_pages=to_device(_page_table(span_pages), device) if spans else None,
+        kernel_prefill=kernel_prefill,
     )
 
 
@@ -144,8 +157,15 @@ def _page_table(tables: list[list[int]]) -> torch.Tensor:
     return torch.tensor([p + [0] * (widest - len(p)) for p in tables], dtype=torch.long).view(len(tables), widest)
 
 
+class AttentionModule(Protocol):
+    """What the hook reads of the module it is called for: transformers' attention modules know their layer (an
+    ``int`` attribute, which ``nn.Module``'s typed ``__getattr__`` would call a tensor or a module)."""
+
+    layer_idx: int
+
+
 def paged_attention(
-    module: torch.nn.Module,
+    module: AttentionModule,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -219,7 +239,9 @@ def _paged_attention(
             # KV heads act as the batch dimension: index_select copies whole slot rows (fast), the gathered
             # context is contiguous, and each KV head's query group rides along as extra query rows.
             q_dec = q_dec.view(kv_heads, groups, n, head_dim).transpose(1, 2)  # [KVH, Bd, G, D]
-            context = batch.decode_table.flatten()
+            table = batch.decode_table
+            assert table is not None  # built whenever no kernel attends (build_paged_batch)
+            context = table.flatten()
             k = k_cache.index_select(1, context).view(kv_heads, n, -1, head_dim)  # [KVH, Bd, L, D]
             v = v_cache.index_select(1, context).view(kv_heads, n, -1, head_dim)
             res = F.scaled_dot_product_attention(q_dec, k, v, attn_mask=batch.decode_bias, scale=scale)
@@ -231,8 +253,8 @@ def _paged_attention(
         else:
             out.index_copy_(0, batch.decode_rows, res)
 
-    if batch.prefill_spans is not None:
-        kernel.prefill(query, k_cache, v_cache, batch.prefill_pages, batch.prefill_spans, batch.page_size, scale, out)
+    if (chunks := batch.kernel_prefill) is not None:
+        chunks.kernel.prefill(query, k_cache, v_cache, chunks.pages, chunks.spans, batch.page_size, scale, out)
     for chunk in batch.prefills:
         span = slice(chunk.start, chunk.start + chunk.length)
         if chunk.key_slots is None:

@@ -45,9 +45,11 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol, cast
 
 import torch
 import transformers
+from torch._dynamo.aot_compile import AOTCompiledFunction
 from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 from transformers import PreTrainedModel
 
@@ -86,7 +88,7 @@ class GlobalStateChecked:
     guards run again, and a failure raises ``GraphNoLongerFits``.
     """
 
-    def __init__(self, function: torch._dynamo.aot_compile.AOTCompiledFunction):
+    def __init__(self, function: AOTCompiledFunction):
         function.disable_guard_check()
         self._function = function
         self._passed: torch._C._dynamo.guards.GlobalStateGuard | None = None  # the state the guards last passed in
@@ -136,7 +138,8 @@ def _load(folder: Path) -> Compiled | None:
     started = time.perf_counter()
     try:
         with artifact.open("rb") as file:
-            loaded = torch.compiler.load_compiled_function(file)
+            # typed as any callable, it returns an AOTCompiledFunction (``AOTCompiledFunction.deserialize``)
+            loaded = cast(AOTCompiledFunction, torch.compiler.load_compiled_function(file))
     except Exception:
         log.warning("could not load the compiled forward in %s; compiling it again", folder, exc_info=True)
         return None
@@ -175,7 +178,9 @@ def compile_on_gpu(model: PreTrainedModel) -> Compiled:
     weights become constants). Token and row counts are unbacked at each call, so one graph serves every step."""
     compiled = torch.compile(model.forward, dynamic=True)
 
-    def forward(_model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor):
+    def forward(
+        _model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor
+    ) -> torch.Tensor:
         for tensor, dim in ((tokens, 1), (positions, 1), (rows, 0)):
             torch._dynamo.decorators.mark_unbacked(tensor, dim)
         with torch._inductor.config.patch(freezing=True):
@@ -206,7 +211,14 @@ def _key_parts(model: PreTrainedModel) -> Iterator[str | bytes]:
     yield " ".join(native.FLAGS)
 
 
-def _compile(model: PreTrainedModel) -> torch._dynamo.aot_compile.AOTCompiledFunction:
+class _Precompilable(Protocol):
+    """What ``torch.compile(..., fullgraph=True)`` returns, with the ``aot_compile`` that dynamo attaches to it at
+    run time (its declared type, the compiled function's own, has no such attribute)."""
+
+    def aot_compile(self, example_inputs: tuple[tuple[Any, ...], dict[str, Any]]) -> AOTCompiledFunction: ...
+
+
+def _compile(model: PreTrainedModel) -> AOTCompiledFunction:
     """Trace and compile ``logits`` on example inputs whose token and row counts are unbacked: the graph then
     holds for any count (a count of 1 would otherwise be specialized, and another count recompile)."""
     tokens = torch.zeros(1, 2, dtype=torch.long)
@@ -214,8 +226,10 @@ def _compile(model: PreTrainedModel) -> torch._dynamo.aot_compile.AOTCompiledFun
     rows = torch.tensor([1])
     for tensor, dim in ((tokens, 1), (positions, 1), (rows, 0)):
         torch._dynamo.decorators.mark_unbacked(tensor, dim)
-    options = {"guard_filter_fn": torch.compiler.keep_portable_guards_unsafe}
-    compiler = torch.compile(logits, fullgraph=True, dynamic=False, options=options)
+    options: dict[str, str | int | bool | Callable[..., Any]] = {
+        "guard_filter_fn": torch.compiler.keep_portable_guards_unsafe
+    }
+    compiler = cast(_Precompilable, torch.compile(logits, fullgraph=True, dynamic=False, options=options))
     return compiler.aot_compile(((model, tokens, positions, rows), {}))
 
 

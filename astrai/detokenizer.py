@@ -12,6 +12,9 @@ Either way, ``flush`` at the end emits what was held back, so the joined deltas 
 
 from __future__ import annotations
 
+from typing import cast
+
+from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase
 
@@ -24,21 +27,23 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self.emitted = ""
         # the stream decodes as the Rust tokenizer does; transformers' decode then also cleans up spaces where asked
-        backend = getattr(tokenizer, "backend_tokenizer", None)
+        backend: Tokenizer | None = getattr(tokenizer, "backend_tokenizer", None)  # fast tokenizers only
         cleans_up = getattr(tokenizer, "clean_up_tokenization_spaces", False)
-        self._backend = None if cleans_up else backend
-        self._stream = DecodeStream(skip_special_tokens=True) if self._backend is not None else None
+        # the stream and the Rust tokenizer it decodes with
+        self._stream = None if cleans_up or backend is None else (DecodeStream(skip_special_tokens=True), backend)
         self._prefix = 0  # without the stream: start of the context window
         self._read = 0  # without the stream: ids up to here are already in ``emitted``
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        # one list of ids decodes to one str (transformers types decode for a batch too: str | list[str])
+        return cast(str, self.tokenizer.decode(ids, skip_special_tokens=True))
 
     def push(self, token_id: int) -> str:
         """Add one generated token; return the text it completes (possibly empty)."""
         self.ids.append(token_id)
         if self._stream is not None:
-            delta = self._stream.step(self._backend, token_id) or ""
+            stream, backend = self._stream
+            delta = stream.step(backend, token_id) or ""
         else:
             before = self._decode(self.ids[self._prefix : self._read])
             after = self._decode(self.ids[self._prefix :])

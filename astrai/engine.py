@@ -11,7 +11,7 @@ import time
 import weakref
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Literal, cast, overload
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -203,7 +203,10 @@ class InferenceEngine:
         """
         target = resolve_device(device)
         model, tokenizer = load_checkpoint(name_or_path, dtype)
-        return cls(model.to(target), tokenizer, dtype=dtype, device=target, **options)
+        # transformers decorates ``to`` with ``functools.wraps(nn.Module.to)``, which the stubs type as the unbound
+        # function (the model as its first argument): it is a method, moving the model in place and returning it
+        move = cast(Callable[[torch.device], PreTrainedModel], model.to)
+        return cls(move(target), tokenizer, dtype=dtype, device=target, **options)
 
     def _release_pool(self) -> None:
         """Free the calling thread's idle OpenMP workers (``openmp.py``), where the engine computes on them."""
@@ -250,6 +253,24 @@ class InferenceEngine:
                 raise ValueError(f"prompt {i} must be a non-empty list of token ids in [0, {vocab})")
         return self._submit([list(ids) for ids in token_ids], SamplingParams(**sampling), cache_salt, stream)
 
+    @overload
+    def _submit(
+        self,
+        token_ids: list[list[int]],
+        params: SamplingParams,
+        salt: str | list[str] | None,
+        stream: bool,
+        single: Literal[False] = False,
+    ) -> list[str] | GenerationStream: ...
+    @overload
+    def _submit(
+        self,
+        token_ids: list[list[int]],
+        params: SamplingParams,
+        salt: str | list[str] | None,
+        stream: bool,
+        single: bool,
+    ) -> str | list[str] | GenerationStream: ...
     def _submit(
         self,
         token_ids: list[list[int]],
@@ -258,6 +279,8 @@ class InferenceEngine:
         stream: bool,
         single: bool = False,
     ) -> str | list[str] | GenerationStream:
+        """Register the requests; return their stream, or (``stream`` false) their texts once done: a str where
+        ``single``, else a list."""
         salts = salt if isinstance(salt, list) else [salt] * len(token_ids)
         if len(salts) != len(token_ids) or not all(s is None or isinstance(s, str) for s in salts):
             raise TypeError(f"cache_salt must be a str, None, or a list of one str per prompt, got {salt!r}")

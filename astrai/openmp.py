@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from _ctypes import CFuncPtr  # ctypes' function type (ctypes names it _CFuncPtr, which its stubs do not export)
 from pathlib import Path
 
 log = logging.getLogger("astrai")
@@ -29,7 +30,7 @@ RUNTIMES = ("libgomp", "libomp", "libiomp")
 
 
 @functools.cache
-def _pause() -> ctypes._CFuncPtr | None:
+def _pause() -> CFuncPtr | None:
     """``omp_pause_resource_all`` of the OpenMP runtime loaded in this process (torch's), or None."""
     try:
         for line in Path("/proc/self/maps").read_text().splitlines():

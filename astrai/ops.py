@@ -24,7 +24,9 @@ import torch
 _library = torch.library.Library("astrai", "FRAGMENT")  # lives as long as the process: the ops stay registered
 
 
-def define(schema: str, kernel: Callable[..., torch.Tensor], fake: Callable[..., torch.Tensor], dispatch_key: str):
+def define(
+    schema: str, kernel: Callable[..., torch.Tensor], fake: Callable[..., torch.Tensor], dispatch_key: str
+) -> Callable[..., torch.Tensor]:
     """Define ``astrai::<schema>``, with ``kernel`` for ``dispatch_key`` and ``fake`` for tracing; return its
     overload (``torch.ops.astrai.<name>.default``), to call as a function."""
     name = schema.split("(", 1)[0]

@@ -55,7 +55,8 @@ BATCH_HINT = 8  # rows oneDNN tunes the packed layout for; any row count works
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-_packed_weights: dict[int, FusedProduct] = {}  # handle -> its layer's weights, while that layer lives
+# handle -> its layer's weights, while that layer lives (a proxy: the table never keeps a layer alive)
+_packed_weights: dict[int, weakref.CallableProxyType[FusedProduct]] = {}
 _next_handle = itertools.count()
 
 
@@ -104,6 +105,9 @@ class FusedProduct(nn.Module):
     huge pages (``huge_pages.py``).
     """
 
+    bias: torch.Tensor | None  # buffers (registered below): typed here, as nn.Module's __getattr__ cannot say
+    handle: torch.Tensor
+
     def __init__(self, linears: list[nn.Linear], release: list[bool], arena: Arena):
         super().__init__()
         weight = torch.cat([linear.weight.detach() for linear in linears])
@@ -115,8 +119,9 @@ class FusedProduct(nn.Module):
         # the same weight laid out for products of few rows (decodes), where the C kernel builds, in ``arena``'s
         # huge pages; not a buffer either: the graph reaches it through the handle, as the packed one
         skinny = load_skinny_kernel()
-        serves = skinny is not None and skinny.supports(weight.dtype, weight.shape[1])
-        self.skinny: SkinnyWeight | None = skinny.bind(weight, arena) if serves else None
+        self.skinny: SkinnyWeight | None = None
+        if skinny is not None and skinny.supports(weight.dtype, weight.shape[1]):
+            self.skinny = skinny.bind(weight, arena)
         handle = next(_next_handle)
         _packed_weights[handle] = weakref.proxy(self)
         weakref.finalize(self, _packed_weights.pop, handle, None)  # the table never outlives the layer
@@ -181,29 +186,29 @@ def pack_linears(model: nn.Module) -> int:
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     arena = Arena()  # the model's laid-out weights side by side, on as few huge pages as they fill
     packed = 0
-    for names in _groups(model):
-        linears = [model.get_submodule(name) for name in names]
+    for members in _groups(model):
+        linears = list(members.values())
         group = FusedProduct(linears, [uses[id(linear.weight)] == 1 for linear in linears], arena)
-        for index, name in enumerate(names):
+        for index, name in enumerate(members):
             _set_submodule(model, name, PackedLinear(group, index))
-        packed += len(names)
+        packed += len(members)
     return packed
 
 
-def _groups(model: nn.Module) -> list[list[str]]:
-    """The names of the model's plain ``nn.Linear`` modules, siblings that can share one product together."""
+def _groups(model: nn.Module) -> list[dict[str, nn.Linear]]:
+    """The model's plain ``nn.Linear`` modules by name, siblings that can share one product together."""
     # subclasses (quantized layers, say) compute something else
     linears = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
     groups = []
     for siblings in SIBLINGS:
         for name, _ in model.named_modules():
             names = [f"{name}.{child}" if name else child for child in siblings]
-            members = [linears.get(n) for n in names]
-            if all(m is not None for m in members) and _fusable(members):
-                groups.append(names)
+            members = [linears[n] for n in names if n in linears]
+            if len(members) == len(names) and _fusable(members):
+                groups.append(dict(zip(names, members, strict=True)))
                 for n in names:
                     del linears[n]
-    return groups + [[name] for name in linears]
+    return groups + [{name: linear} for name, linear in linears.items()]
 
 
 def _fusable(linears: list[nn.Linear]) -> bool:

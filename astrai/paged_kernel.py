@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import overload
 
 import torch
 
@@ -98,12 +99,13 @@ class PagedKernel:
         """
         _, heads, batch, head_dim = query.shape
         kv_heads, cache_slots, _ = k_cache.shape
-        query, new_k, new_v = (_rows_in_place(t) for t in (query, *(new_kv or (None, None))))
+        query = _rows_in_place(query)
+        new_k, new_v = (None, None) if new_kv is None else (_rows_in_place(new_kv[0]), _rows_in_place(new_kv[1]))
         if not all(t.is_contiguous() for t in (k_cache, v_cache, pages, lengths)):
             raise ValueError("the decode kernel needs contiguous caches, pages and lengths")
         dtype = k_cache.dtype
         if not (query.dtype == v_cache.dtype == dtype and pages.dtype == lengths.dtype == torch.long) or (
-            new_k is not None and not new_k.dtype == new_v.dtype == dtype
+            new_kv is not None and not new_kv[0].dtype == new_kv[1].dtype == dtype  # as given: a copy keeps its dtype
         ):
             raise ValueError("the decode kernel needs query, rows and caches of one dtype, and int64 pages and lengths")
         out = torch.empty((batch, heads, head_dim), dtype=dtype)
@@ -181,6 +183,10 @@ def _check(kernel: str, status: int, groups: int, head_dim: int) -> None:
         raise RuntimeError(f"the {kernel} kernel refused {groups} groups of head size {head_dim}")
 
 
+@overload
+def _rows_in_place(rows: torch.Tensor) -> torch.Tensor: ...
+@overload
+def _rows_in_place(rows: None) -> None: ...
 def _rows_in_place(rows: torch.Tensor | None) -> torch.Tensor | None:
     """``rows`` as it is where each row's D values lie side by side (the model's layouts), else a copy."""
     return rows if rows is None or rows.stride(-1) == 1 else rows.contiguous()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from _ctypes import CFuncPtr  # ctypes' function type (ctypes names it _CFuncPtr, which its stubs do not export)
 
 import torch
 
@@ -76,7 +77,7 @@ class SkinnyWeight:
 
     __slots__ = ("function", "laid_out", "address", "out_features", "in_features", "dtype")
 
-    def __init__(self, function: ctypes._CFuncPtr, laid_out: torch.Tensor, out_features: int, in_features: int):
+    def __init__(self, function: CFuncPtr, laid_out: torch.Tensor, out_features: int, in_features: int):
         self.function = function
         self.laid_out = laid_out  # kept alive: the C code reads it through ``address``
         self.address = laid_out.data_ptr()
