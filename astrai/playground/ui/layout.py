@@ -224,7 +224,8 @@ def _engine_form(default: Profile, model_choices: list[str], chooses_pools: bool
     settings = default.settings
     with gr.Accordion(title, open=False, visible=chooses_pools, elem_id="engine_settings"):
         with gr.Row():
-            model = gr.Dropdown(model_choices, value=default.model, label="Model", elem_id="engine_model")
+            shown = default.model if default.model in model_choices else model_choices[0]  # a server: its model
+            model = gr.Dropdown(model_choices, value=shown, label="Model", elem_id="engine_model")
             page_size = gr.Dropdown(list(PAGE_SIZES), value=settings.page_size, label="Page size (tokens)")
             n_pages = gr.Slider(*POOL_PAGES, value=settings.n_pages, step=8, label="Pool size (pages)")
             max_batch = gr.Slider(*BATCH_SIZES, value=settings.max_batch_size, step=1, label="Max batch")
