@@ -346,6 +346,7 @@ class InferenceEngine:
                 generated_tokens=self._generated_tokens,
                 steps=self.steps,
                 prefix_caching=cache.prefix_caching,
+                eviction=pool.policy.name,
             )
 
     def cache_snapshot(self) -> CacheSnapshot:

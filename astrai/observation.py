@@ -57,6 +57,7 @@ class CacheStats:
     generated_tokens: int  # tokens sampled and appended, over all requests
     steps: int
     prefix_caching: bool
+    eviction: str | None = None  # the pool's eviction policy (astrai.eviction.POLICIES); None: not reported (vLLM)
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,6 @@ def test_caching_off_computes_every_prompt_token_and_on_computes_fewer(engine):
 def test_every_lesson_step_loads_a_scenario_and_names_a_view():
     from astrai.playground.scenarios import LESSON
 
-    assert len(LESSON) == 6 and all(step.scenario in SCENARIO_BY_NAME for step in LESSON)
+    assert len(LESSON) == 7 and all(step.scenario in SCENARIO_BY_NAME for step in LESSON)
     ui = (Path(__file__).parents[1] / "astrai" / "playground" / "ui" / "layout.py").read_text()
     assert all(f'elem_id="{step.look_at}"' in ui for step in LESSON)

@@ -28,11 +28,12 @@ from it with the same ``page_key``. What cannot be recorded exactly:
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from astrai.lab.trace import Trace, TraceRequest, write_trace
-from astrai.observation import CacheCleared, PageEvicted, PageStored, RequestAdmitted
+from astrai.observation import CacheCleared, PageEvicted, PageStored, RequestAdmitted, RequestInfo
 from astrai.page_pool import PageKey, page_key
 
 if TYPE_CHECKING:
@@ -45,30 +46,45 @@ def from_engine(engine: InferenceEngine, path: str | Path) -> Trace:
     """Write the trace of the engine's ended requests still in its event log to ``path``; return it."""
     admitted, first_keys = _admissions(engine)
     infos = {info.id: info for info in engine.request_info(list(admitted))}
-    size = engine.pool.page_size
+    ended = [(infos[r], at) for r, at in admitted.items() if r in infos and infos[r].status in ENDED]
+    trace = _trace(ended, engine.pool.page_size, first_keys, Path(path).name)
+    write_trace(path, trace.requests, trace.block_size)
+    return trace
+
+
+def from_requests(infos: Sequence[RequestInfo], block_size: int, name: str = "your requests") -> Trace:
+    """The trace of these ended requests, in their order, from their prompts' tokens alone: any backend's requests
+    (a vLLM server's too, whose block hashes the app cannot recompute). Prompts that start alike share leading ids
+    whatever namespace they ran in (no record says it): a sizing question asks what the traffic could reuse.
+    Timestamps are their order (ms apart), not when they ran."""
+    ended = [(info, float(i) / 1000) for i, info in enumerate(infos) if info.status in ENDED]
+    return _trace(ended, block_size, {}, name)
+
+
+def _trace(
+    requests: Sequence[tuple[RequestInfo, float]], size: int, first_keys: dict[int, PageKey], name: str
+) -> Trace:
+    """Requests (with the time each was admitted) as trace lines: full prompt pages keyed as the engine keys them
+    (``first_keys``: a request's first page's key where its salt made it another), numbered as first seen; the
+    partial last page an id of its own."""
     numbering = itertools.count()
     ids: dict[PageKey, int] = {}  # chain key -> hash id, numbered as first seen
-    requests: list[TraceRequest] = []
-    start: float | None = None
-    for request, admitted_at in admitted.items():
-        info = infos.get(request)
-        if info is None or info.status not in ENDED:
-            continue
+    lines: list[TraceRequest] = []
+    start = requests[0][1] if requests else 0.0
+    for info, admitted_at in requests:
         prompt = info.prompt_ids
         keys: list[PageKey] = []
         for i in range(len(prompt) // size):
-            if i == 0 and request in first_keys:
-                keys.append(first_keys[request])
+            if i == 0 and info.id in first_keys:
+                keys.append(first_keys[info.id])
             else:
                 keys.append(page_key(keys[-1] if keys else None, prompt[i * size : (i + 1) * size]))
         blocks = [ids[key] if key in ids else ids.setdefault(key, next(numbering)) for key in keys]
         if len(prompt) % size:
             blocks.append(next(numbering))  # a partial block: never shared
-        start = admitted_at if start is None else start
         timestamp = round((admitted_at - start) * 1000)
-        requests.append(TraceRequest(timestamp, len(prompt), info.generated_tokens, tuple(blocks)))
-    write_trace(path, requests, size)
-    return Trace(tuple(requests), size, Path(path).name)
+        lines.append(TraceRequest(timestamp, len(prompt), info.generated_tokens, tuple(blocks)))
+    return Trace(tuple(lines), size, name)
 
 
 def _admissions(engine: InferenceEngine) -> tuple[dict[int, float], dict[int, PageKey]]:

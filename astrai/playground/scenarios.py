@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from astrai.playground.backends.profiles import DEFAULT_PROFILE, SMALL_POOL_PROFILE, Profile, without_caching
+from astrai.playground.views import sizing
 
 Namespace = Literal["shared", "mine", "fresh"]
 NAMESPACES: dict[Namespace, str] = {  # the run form's choice, in words
@@ -138,6 +139,21 @@ ROUTING_WAVES = (" What is there to see?", " Who lives there?", " What happens a
 SCENARIO_BY_NAME = {s.name: s for s in (*SCENARIOS, TENANTS)}
 
 
+def sizing_claim() -> str:
+    """The cache-sizing step's text: what the chart shows on the conversation trace, read from the shipped curves
+    (``assets/traces/curves.json``, which tests/test_sizing.py checks against fresh replays)."""
+    curves = sizing.load()[0]
+    at = curves.nearest(5859)
+    full = min(p.capacity for p in curves.points if p.policy == sizing.OPTIMUM and p.hit_rate >= curves.ceiling)
+    largest = next(p for p in curves.points if p.policy == "lru" and p.capacity == curves.capacities[-1])
+    return (
+        f"Scroll to 'How big should the cache be?'. On an hour of Kimi's conversation traffic, at "
+        f"{sizing.summary(curves, at)} The optimum reaches that ceiling at {full:,} blocks; LRU, even at "
+        f"{largest.capacity:,}, serves {largest.hit_rate:.1%}. Then give this scenario's pool another eviction policy "
+        "(Engine settings: 40 pages, batch 8, Eviction ARC), run it twice and compare its page map with LRU's."
+    )
+
+
 @dataclass(frozen=True)
 class LessonStep:
     """One step of the guided lesson: a scenario, the view to look at, and a claim the tests check."""
@@ -192,14 +208,17 @@ LESSON = [
         "engine without it: caching on computes fewer prefill tokens (the bars on the left), and its first tokens "
         "come no later.",
     ),
+    LessonStep("7. How big should the cache be?", "Eviction pressure (small pool)", "sizing", sizing_claim()),
 ]
+
+
 # Built at start: the engines the lesson's steps run on, and the one step 6 compares the default engine with.
 LESSON_PROFILES = (
     *dict.fromkeys(SCENARIO_BY_NAME[step.scenario].profile for step in LESSON),
     without_caching(DEFAULT_PROFILE),
 )
 ROUTING_STEP = LessonStep(
-    "7. Routing decides what is reused",
+    "8. Routing decides what is reused",
     TENANTS.name,
     "routing",
     "Press Compare routing. The tenants' waves go once through the round-robin router and once through the "

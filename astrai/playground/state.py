@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from astrai.playground.backends.profiles import Profile
 from astrai.playground.views.pages import Owner
 from astrai.playground.views.replay import Recording
+from astrai.playground.views.sizing import Curves
 from astrai.playground.views.text import RunSummary
 
 KEEP_OWNERS = 4096  # requests remembered; the oldest are forgotten first (their pages show as another session's)
@@ -63,6 +64,7 @@ class Visitor:
     with_cache: RunSummary | None = None
     without_cache: RunSummary | None = None
     shown: ShownRun | None = None
+    sizing: Curves | None = None  # the cache-sizing curves of their own requests, once replayed
     seen_at: float = field(default_factory=time.monotonic)
 
 
@@ -156,6 +158,11 @@ class Visitors:
                 self._owners[rid] = Owner(session, panel)
             while len(self._owners) > KEEP_OWNERS:
                 self._owners.popitem(last=False)
+
+    def requests_of(self, session: str) -> list[int]:
+        """The session's requests still remembered (the last ``KEEP_OWNERS`` of all visitors'), oldest first."""
+        with self._lock:
+            return [rid for rid, owner in self._owners.items() if owner.session == session]
 
     def owners(self, request_ids: list[int]) -> dict[int, Owner]:
         """The known owners of these requests (a forgotten one is absent: its pages read "other session")."""

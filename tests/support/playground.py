@@ -18,6 +18,7 @@ from astrai.playground.callbacks.pacing import StreamingRuns
 from astrai.playground.callbacks.replay import ReplayCallbacks
 from astrai.playground.callbacks.run import RunCallbacks
 from astrai.playground.callbacks.setup import SetupCallbacks
+from astrai.playground.callbacks.sizing import SizingCallbacks
 from astrai.playground.scenarios import Lesson
 from astrai.playground.state import Visitors
 from astrai.playground.ui.layout import build_layout
@@ -30,6 +31,7 @@ class Playground:
     live: LiveCallbacks
     replays: ReplayCallbacks
     setup: SetupCallbacks
+    sizing: SizingCallbacks
 
     def fields(self, **changes: Any) -> dict[str, Any]:
         """The run form as the page opens, with ``changes``."""
@@ -53,6 +55,8 @@ def playground(**engine_options: Any) -> Iterator[Playground]:
     ctx = Context(engines, Visitors(engines.default), ui, StreamingRuns(), lesson)
     runs = RunCallbacks(ctx)
     try:
-        yield Playground(ctx, runs, LiveCallbacks(ctx, runs), ReplayCallbacks(ctx), SetupCallbacks(ctx))
+        yield Playground(
+            ctx, runs, LiveCallbacks(ctx, runs), ReplayCallbacks(ctx), SetupCallbacks(ctx), SizingCallbacks(ctx)
+        )
     finally:
         engines.shutdown()

@@ -242,6 +242,7 @@ class LocalEngines:
                 max_batch_size=settings.max_batch_size,
                 prefix_caching=settings.prefix_caching,
                 dtype=settings.dtype,
+                eviction=settings.eviction,
                 compile=self._compile,
                 progress=None if progress is None else lambda text: progress(0.3, text),
             )

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from astrai import SUPPORTED_DTYPES
+from astrai.eviction import POLICIES
 from astrai.playground import knobs
 
 EMBEDDED_MODEL = os.environ.get(
@@ -52,6 +53,7 @@ class EngineSettings:
     max_batch_size: int = knobs.MAX_BATCH_SIZE  # docs/benchmarks.md: the load curve
     prefix_caching: bool = True
     dtype: str = "float32"
+    eviction: str = "lru"  # which cached page a full pool gives up first: astrai.eviction.POLICIES
 
     def validate(self) -> None:
         if self.page_size not in PAGE_SIZES:
@@ -62,11 +64,15 @@ class EngineSettings:
             raise ValueError(f"max batch must be between {BATCH_SIZES[0]} and {BATCH_SIZES[1]}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}")
+        if self.eviction not in POLICIES:
+            raise ValueError(f"eviction must be one of {', '.join(POLICIES)}")
 
     def describe(self) -> str:
         """In words, for the stats line and the engine status."""
         caching = "" if self.prefix_caching else ", prefix caching off"
-        return f"{self.n_pages} pages × {self.page_size} tokens, batch {self.max_batch_size}, {self.dtype}{caching}"
+        eviction = "" if self.eviction == "lru" else f", {self.eviction.upper()} eviction"
+        pool = f"{self.n_pages} pages × {self.page_size} tokens, batch {self.max_batch_size}, {self.dtype}"
+        return pool + caching + eviction
 
 
 @dataclass(frozen=True)
@@ -90,7 +96,7 @@ class Profile:
         """A stable text key (gr.State and logs): equal profiles have equal keys."""
         s = self.settings
         caching = "cache" if s.prefix_caching else "nocache"
-        return f"{self.model}|p{s.page_size}|n{s.n_pages}|b{s.max_batch_size}|{caching}|{s.dtype}"
+        return f"{self.model}|p{s.page_size}|n{s.n_pages}|b{s.max_batch_size}|{caching}|{s.dtype}|{s.eviction}"
 
 
 DEFAULT_PROFILE = Profile()

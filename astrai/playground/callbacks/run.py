@@ -142,7 +142,12 @@ class RunCallbacks:
                 run = backend.submit(prompts, batch.params, batch.salt(session), share_cache=caching)
                 ctx.visitors.register(run.request_ids, session)
                 visitor.recording = replay.Recording(
-                    base, (), tuple(run.request_ids), backend.generation, prefix_caching=stats.prefix_caching
+                    base,
+                    (),
+                    tuple(run.request_ids),
+                    backend.generation,
+                    prefix_caching=stats.prefix_caching,
+                    eviction=stats.eviction,
                 )
                 visitor.following, visitor.playback = True, None
                 visitor.shown = ShownRun(

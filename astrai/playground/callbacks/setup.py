@@ -91,6 +91,7 @@ class SetupCallbacks:
                 max_batch_size=int(values["max_batch_size"]),
                 prefix_caching=bool(values["prefix_caching"]),
                 dtype=str(values["dtype"]),
+                eviction=str(values.get("eviction") or "lru"),  # an API client that predates it gets LRU
             )
             settings.validate()
         except (ValueError, TypeError) as exc:
@@ -125,6 +126,7 @@ class SetupCallbacks:
             engine_form.max_batch_size: settings.max_batch_size,
             engine_form.prefix_caching: settings.prefix_caching,
             engine_form.dtype: settings.dtype,
+            engine_form.eviction: settings.eviction,
             self.ui.cache.cursor: None,  # the live view draws the new engine from scratch
             engine_form.status: self._status(profile),
         }
@@ -154,7 +156,7 @@ class SetupCallbacks:
         )
         engine = setup.engine
         engine_outputs: list[Component] = [engine.model, engine.page_size, engine.n_pages, engine.max_batch_size]
-        engine_outputs += [engine.prefix_caching, engine.dtype, engine.status, ui.cache.cursor]
+        engine_outputs += [engine.prefix_caching, engine.dtype, engine.eviction, engine.status, ui.cache.cursor]
         scenario_outputs: list[Component] = [setup.note, ui.form.shared_prefix, ui.form.n_panels, ui.form.max_tokens]
         scenario_outputs += [ui.form.cache_namespace, *ui.panels.prompts, *ui.panels.outputs, *engine_outputs]
         # builds are rare and short (the lesson's engines are built at start): they never block the chart timer

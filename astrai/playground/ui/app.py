@@ -13,6 +13,7 @@ from astrai.playground.callbacks.replay import ReplayCallbacks
 from astrai.playground.callbacks.routing import RoutingCallbacks
 from astrai.playground.callbacks.run import RunCallbacks
 from astrai.playground.callbacks.setup import SetupCallbacks
+from astrai.playground.callbacks.sizing import SizingCallbacks
 from astrai.playground.scenarios import Lesson
 from astrai.playground.state import Visitors
 from astrai.playground.ui.layout import build_layout
@@ -31,5 +32,6 @@ def build_demo(engines: Engines) -> gr.Blocks:
         ReplayCallbacks(ctx).wire()
         SetupCallbacks(ctx).wire(demo)
         RoutingCallbacks(ctx, runs).wire()
+        SizingCallbacks(ctx).wire(demo)
     demo.queue(max_size=knobs.QUEUE_SIZE, default_concurrency_limit=2)
     return demo

@@ -82,6 +82,18 @@ class ReplayControls:
 
 
 @dataclass(frozen=True)
+class SizingViews:
+    """The cache-sizing lab: a workload, a capacity, and what each eviction policy serves there."""
+
+    trace: gr.Radio
+    capacity: gr.Slider
+    replay_mine: gr.Button
+    chart: gr.Plot
+    table: gr.DataFrame
+    note: gr.Markdown
+
+
+@dataclass(frozen=True)
 class EngineForm:
     """The Engine settings panel: a visitor's own profile."""
 
@@ -91,6 +103,7 @@ class EngineForm:
     max_batch_size: gr.Slider
     prefix_caching: gr.Checkbox
     dtype: gr.Radio
+    eviction: gr.Dropdown
     apply: gr.Button
     status: gr.Markdown
 
@@ -113,6 +126,7 @@ class Components:
     cache: CacheViews
     replay: ReplayControls
     setup: Setup
+    sizing: SizingViews
 
     def run_fields(self) -> dict[str, gr.Component]:
         """The run's inputs by API parameter name (``/run`` and ``/compare`` take them by these names)."""
@@ -139,6 +153,7 @@ class Components:
             "max_batch_size": engine.max_batch_size,
             "prefix_caching": engine.prefix_caching,
             "dtype": engine.dtype,
+            "eviction": engine.eviction,
         }
 
 

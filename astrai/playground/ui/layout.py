@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gradio as gr
 
+from astrai.eviction import POLICIES
 from astrai.playground.backends.profiles import BATCH_SIZES, DTYPES, PAGE_SIZES, POOL_PAGES, Profile
 from astrai.playground.scenarios import NAMESPACES, SCENARIO_BY_NAME, Lesson
 from astrai.playground.ui.components import (
@@ -23,9 +24,16 @@ from astrai.playground.ui.components import (
     RunButtons,
     RunForm,
     Setup,
+    SizingViews,
 )
-from astrai.playground.views import text
+from astrai.playground.views import sizing, text
 
+EVICTION_NAMES = {
+    "lru": "LRU: least recently used",
+    "fifo": "FIFO: first cached, first out",
+    "lfu": "LFU: fewest hits served",
+    "arc": "ARC: recency and frequency, adaptive",
+}
 MAX_PROMPT_CHARS = 2000
 MAX_NEW_TOKENS = 256
 REFRESH_SECONDS = 1.0
@@ -41,6 +49,10 @@ CAPTIONS = {
     "tree": "Every cached page under the page its key chains from: prompts share a branch as long as they share "
     "full pages. Text is shown for your own pages only.",
     "routing": "Press **Compare routing** to send the tenants' waves through each router, each pass on a cold cache.",
+    "sizing": "Each workload's requests replayed one at a time through this engine's own page pool, without a model, "
+    "under each eviction policy and capacity: a hit is the longest cached run of leading blocks, the last prompt "
+    "token is always computed. Belady's MIN evicts the block needed furthest in the future: no online policy can "
+    "do better. *Your requests* replays the ones you ran here (at your engine's page size).",
 }
 INTRO = (
     "### AstrAI playground: watch a KV cache reuse work\n"
@@ -122,6 +134,7 @@ def build_layout(default: Profile, model_choices: list[str], chooses_pools: bool
             routing_button.render()  # beside the chart it fills (the lesson step scrolls here)
             routing_note = gr.Markdown(CAPTIONS["routing"], elem_id="routing_note")
     gr.Markdown(f"<small>{CAPTIONS['page_map']} {CAPTIONS['occupancy']}</small>")
+    sizing_views = _sizing()
     highlights = _highlights()
     with gr.Accordion("Sampling and options", open=False), gr.Row():
         max_tokens = gr.Slider(
@@ -156,7 +169,37 @@ def build_layout(default: Profile, model_choices: list[str], chooses_pools: bool
         ),
         replay=replay,
         setup=Setup(scenario, note, lesson_prev, lesson_next, gr.State(0), engine),
+        sizing=sizing_views,
     )
+
+
+def _sizing() -> SizingViews:
+    """The cache-sizing lab: how much each eviction policy serves at each pool size, on real traffic or yours."""
+    curves = sizing.load()
+    first = curves[0]
+    with gr.Group(elem_id="sizing"):
+        gr.Markdown(f"**How big should the cache be?** {CAPTIONS['sizing']}")
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=3):
+                chart = gr.Plot(elem_id="sizing_chart", show_label=False)
+            with gr.Column(scale=2):
+                trace = gr.Radio(
+                    [c.name for c in curves] + [sizing.MINE], value=first.name, label="Workload", elem_id="sizing_trace"
+                )
+                capacity = gr.Slider(
+                    first.capacities[0],
+                    first.capacities[-1],
+                    value=first.nearest(5859),
+                    step=1,
+                    label="Cache capacity (blocks): drag, and read what each policy serves there",
+                    elem_id="sizing_capacity",
+                )
+                replay_mine = gr.Button("Replay my requests", size="sm", elem_id="sizing_mine")
+                note = gr.Markdown(elem_id="sizing_note")
+        table = gr.DataFrame(
+            headers=sizing.TABLE_COLUMNS, label="At that capacity", interactive=False, elem_id="sizing_table"
+        )
+    return SizingViews(trace, capacity, replay_mine, chart, table, note)
 
 
 def _panels(prompts: list[str]) -> Panels:
@@ -231,6 +274,12 @@ def _engine_form(default: Profile, model_choices: list[str], chooses_pools: bool
             max_batch = gr.Slider(*BATCH_SIZES, value=settings.max_batch_size, step=1, label="Max batch")
             prefix_caching = gr.Checkbox(settings.prefix_caching, label="Prefix caching")
             dtype = gr.Radio(list(DTYPES), value=settings.dtype, label="dtype")
+            eviction = gr.Dropdown(
+                [(EVICTION_NAMES[name], name) for name in POLICIES],
+                value=settings.eviction,
+                label="Eviction (which cached page goes first)",
+                elem_id="engine_eviction",
+            )
         apply = gr.Button("Apply settings / load model", elem_id="apply_btn")
         status = gr.Markdown(elem_id="engine_status")
-    return EngineForm(model, page_size, n_pages, max_batch, prefix_caching, dtype, apply, status)
+    return EngineForm(model, page_size, n_pages, max_batch, prefix_caching, dtype, eviction, apply, status)

@@ -77,13 +77,14 @@ def occupancy_chart(data: Series) -> go.Figure:
 def lru_chart(data: Series) -> go.Figure:
     """The LRU's length in pages, and the evictions counted from the chart's left edge on an axis of their own:
     on the pages axis, 101 evictions stood far above a 40-page pool, as if the LRU had held them."""
+    queue = "LRU" if data.eviction in (None, "lru") else f"{data.eviction.upper()} queue"
     fig = make_subplots(specs=[[{"secondary_y": True}]])
     fig.add_trace(
         go.Scatter(
             x=data.ages,
             y=data.cached,
             mode="lines",
-            name="LRU length (pages)",
+            name=f"{queue} length (pages)",
             line=dict(color=STATE_COLORS["cached (evictable)"], width=2, shape="hv"),
         ),
         secondary_y=False,
@@ -99,7 +100,7 @@ def lru_chart(data: Series) -> go.Figure:
         secondary_y=True,
     )
     fig.update_yaxes(title_text="evictions", secondary_y=True, rangemode="tozero", showgrid=False)
-    return _layout(fig, "LRU length (cached pages) and evictions", "pages", data)
+    return _layout(fig, f"{queue} length (cached pages) and evictions", "pages", data)
 
 
 def hit_rate_chart(data: Series) -> go.Figure:
@@ -151,10 +152,10 @@ def _describe(p: PageView, panel_label: Callable[[int], str], cached_total: int)
         color = FIRST_PANEL + p.panels[0] % len(PANEL_COLORS) if p.panels else 1
         state = "in use" + (" (shared)" if _shared(p) else "")
     elif p.state == "cached" and p.lru_rank is None:
-        color, state = FIRST_SHADE + len(CACHED_SHADES) // 2, "cached (LRU order n/a: vLLM does not report it)"
+        color, state = FIRST_SHADE + len(CACHED_SHADES) // 2, "cached (eviction order n/a: not reported)"
     elif p.state == "cached":
         shade = (len(CACHED_SHADES) - 1) * (p.lru_rank or 0) // max(cached_total - 1, 1)
-        color, state = FIRST_SHADE + shade, f"cached, LRU rank {p.lru_rank} (0 = evicted next)"
+        color, state = FIRST_SHADE + shade, f"cached, eviction rank {p.lru_rank} (0 = evicted next)"
     else:
         color, state = 0, "free"
     owners = [panel_label(i) for i in p.panels] + ["other session"] * p.other_users
@@ -267,9 +268,9 @@ def prefix_tree(tree: Tree, panel_label: Callable[[int], str], height: int = 300
             color, state = in_use_color, "in use" + (f" by {panel_label(node.panel)}" if node.panel is not None else "")
         else:
             shade = (len(CACHED_SHADES) - 1) * (node.lru_rank or 0) // max(ranked, 1)
-            color, state = CACHED_SHADES[shade], f"cached, LRU rank {node.lru_rank} (0 = evicted next)"
+            color, state = CACHED_SHADES[shade], f"cached, eviction rank {node.lru_rank} (0 = evicted next)"
             if node.lru_rank is None:
-                state = "cached (LRU order n/a)"
+                state = "cached (eviction order n/a)"
         ids.append(node.id)
         parents.append(node.parent)
         labels.append(html.escape(node.label, quote=False))

@@ -12,7 +12,9 @@ step; the narration names it so ("step 3 of 12 of your run, engine step 267"), a
 
 LRU ranks are rebuilt the same way the pool builds its LRU: a page joins the back when it becomes cached and leaves
 when it stops being cached. A backend that does not publish its LRU order (vLLM) records cached pages without a
-rank, and their replay keeps none: a rank is rebuilt only for pages whose record had one, never invented.
+rank, and their replay keeps none: a rank is rebuilt only for pages whose record had one, never invented. Nor is
+one rebuilt for an engine under another policy (``eviction``): FIFO, LFU and ARC reorder pages that no step
+touched, so their replay shows cached pages without a rank.
 
 One approximation, said here rather than hidden: if the base snapshot was taken while another visitor's step was
 in flight, and in that same step a cached page was hit and released again, that page's LRU rank can be off in
@@ -41,6 +43,7 @@ class Recording:
     generation: int = 0  # the backend's generation it records: another engine's steps never join it
     closed: bool = False  # the run ended and its last step is in: nothing joins it any more
     prefix_caching: bool = True  # its engine looked prompts up (off: no hit rate to draw, not 0%)
+    eviction: str | None = "lru"  # its pool's policy: only LRU's order can be rebuilt from the steps
 
     @property
     def last_step(self) -> int:
@@ -89,7 +92,7 @@ def pages_at(recording: Recording, index: int) -> list[PageRecord]:
                 lru.remove(change.page)
             elif change.state == "cached" and not was_cached:
                 lru.append(change.page)
-    ranks = {page: rank for rank, page in enumerate(lru)}
+    ranks = {page: rank for rank, page in enumerate(lru)} if recording.eviction == "lru" else {}
     return [
         dataclasses.replace(p, lru_rank=ranks.get(p.page) if p.lru_rank is not None else None)
         for p in (pages[i] for i in sorted(pages))
@@ -223,4 +226,5 @@ def replay_series(recording: Recording, frame: int) -> Series:
         marker=x[index - 1] if index > 0 and x else 0.0,
         prefix_caching=recording.prefix_caching,
         hit_rate_scope="your run",
+        eviction=recording.eviction,
     )

@@ -26,6 +26,7 @@ class Series:
     marker: float | None = None  # replay: the x of the step shown
     prefix_caching: bool = True  # off: nothing is looked up, so there is no hit rate to draw (not 0%)
     hit_rate_scope: str = "since the engine started"  # whose prompts the hit-rate line counts
+    eviction: str | None = None  # the pool's eviction policy (None: not reported): what the LRU chart is called
 
 
 def series(history: Sequence[StepSample], stats: CacheStats, now: float, window_s: float = 120.0) -> Series:
@@ -72,6 +73,7 @@ def series(history: Sequence[StepSample], stats: CacheStats, now: float, window_
         step_hit_ages=[round(s.time - now, 3) for s in admitted],
         step_hit_rate=[s.hit_tokens / s.query_tokens for s in admitted],
         prefix_caching=stats.prefix_caching,
+        eviction=stats.eviction,
     )
 
 
