@@ -124,5 +124,5 @@ class RoutingCallbacks:
             concurrency_id="routing",
             show_progress="minimal",
             show_progress_on=ui.panels.outputs[0],  # a component already showing progress: one more costs every
-            # streamed message of every run (tests/test_app.py keeps them to three)
+            # streamed message of every run (tests/test_app.py keeps them to four)
         )
