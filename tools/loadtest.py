@@ -14,7 +14,8 @@ Two ways to fill the panels:
   pressure (small pool)", "Distinct prompts (no hits)", "Same page, different prefix" and "Follow-up turn", each
   scenario at least once when there are enough users; or round-robin over the same five). Every round starts, as
   the lesson's steps do, with ``/load_scenario`` of that scenario in the user's own session (which puts the session
-  on the scenario's engine); then the user runs the scenario's prompts after its prefix, with max tokens
+  on the scenario's engine); then the user runs the scenario's prompts after its prefix, in the scenario's cache
+  namespace (shared, the user's own, or fresh for each run: ``Scenario.namespace``), with max tokens
   ``min(scenario's, --max-tokens)``, and calls ``/after_run`` as the browser does. A "Follow-up turn" user sends
   each panel's prompt + answer + " Then" from its second round on. ``--custom N`` (1 by default with ``--spread``)
   users of the shared-system-prompt scenario first apply their own Engine settings (``/apply_settings``,
@@ -543,6 +544,7 @@ def run_load(
                         record(visit, round_, RunResult("error", None, time.monotonic() - started, str(exc)[:200]))
                         continue
                     args = run_args(prompts, min(scenario.max_tokens, max_tokens), scenario.prefix)
+                    args["cache_namespace"] = scenario.namespace  # as the scenario sets it in the page
                 cancel = rng.random() < cancel_rate
                 result = one_run(client, args, cancel, job_timeout, args["n_panels"])
                 ended = None
