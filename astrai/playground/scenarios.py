@@ -205,8 +205,8 @@ LESSON = [
         "Shared system prompt",
         "savings",
         "Press Compare with caching off. The same batch runs twice, once with the prefix cache and once on an "
-        "engine without it: caching on computes fewer prefill tokens (the bars on the left), and its first tokens "
-        "come no later.",
+        "engine without it: caching on computes fewer prefill tokens (the bars on the left). On the tiny embedded "
+        "model the times to first token differ little: prefill is cheap next to each step's fixed cost.",
     ),
     LessonStep("7. How big should the cache be?", "Eviction pressure (small pool)", "sizing", sizing_claim()),
 ]
