@@ -18,7 +18,9 @@ then each child of the previous key with the next page's tokens (a key is a hash
   available, ``LAST_TOKEN`` covers it whole, ``costs_page``; the last token is ``LAST_TOKEN`` in any case, and
   the tokens after the last full page are ``PARTIAL_PAGE``.
 * A missed page whose own key still held the page at the lookup, behind an earlier missed page: that earlier page's
-  cause, ``stranded_behind`` it (a page serves only after every page before it).
+  cause, ``stranded_behind`` it (a page serves only after every page before it). The first missed page itself held
+  at the lookup cannot be, by the engine's rules: ``UNKNOWN`` (events lost, or a conflict), except that against a
+  caller's estimate of the moment (``looked_up_after``) a stay that ended after it reads as evicted.
 * ``EVICTED`` / ``CLEARED``: the key's last stay before the lookup ended so (for whom, and first of how many).
 * ``OTHER_REPLICA``: another replica held the whole chain to this page at the lookup (replicas share one ``seq``
   clock, as a fleet's samplers do). ``OTHER_NAMESPACE``: another namespace on the serving replica held it (or was
@@ -37,7 +39,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import NamedTuple
 
 from astrai.explain.history import KeyHistory, KeyRecord, Life, Parent, Tokens
@@ -136,7 +137,7 @@ def _explain_one(
         replica=replica,
         admitted_step=admission.step if admission is not None else None,
         segments=tuple(segments),
-        counts=MappingProxyType(counts),
+        counts=counts,
         recomputed_tokens=info.recomputed_tokens,
         readmissions=admission.readmissions if admission is not None else 0,
         readmitted_cached_tokens=admission.readmitted_cached_tokens if admission is not None else 0,

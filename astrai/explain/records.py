@@ -95,7 +95,8 @@ class Explanation:
     replica: int  # the replica that served it
     admitted_step: int | None  # the step of its first admission, where the history holds it
     segments: tuple[Segment, ...]
-    counts: Mapping[Cause, int]  # tokens per cause, every cause present (read-only); sums to ``prompt_tokens``
+    counts: Mapping[Cause, int]  # tokens per cause, every cause present (a dict: copies and pickles); sums to
+    # ``prompt_tokens``
     # counted apart, not in ``counts``: tokens computed again after preemptions (None: not reported, e.g. vLLM),
     # the re-admissions, and the tokens the cache served back at them (prompt and output)
     recomputed_tokens: int | None
