@@ -420,7 +420,7 @@ class InferenceEngine:
         (``astrai.explain``), the cached ones exactly the request's ``cached_tokens``.
 
         Built on the caller's thread from this engine's own observation only: the events since the last call feed
-        its key history (the newest ``explain_keys`` evicted keys, beside the cached ones), under a lock of its own,
+        its key history (at most ``explain_keys`` keys; cached ones are never dropped), under a lock of its own,
         never ``_lock``. The event log is a ring of ``event_log_size``: where more events than that passed between
         two calls, the causes they could change read "events lost", never a guess.
         """

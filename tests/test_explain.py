@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from astrai import InferenceEngine
 from astrai.explain import Cause, Explanation, KeyHistory, Unknown, explain
+from astrai.explain.history import LIVES_KEPT
 from astrai.observation import CacheCleared, EngineEvent, PageEvicted, PageStored, RequestAdmitted, RequestInfo
 from astrai.page_pool import page_key
 
@@ -243,16 +244,35 @@ def test_events_lost_from_the_ring_make_a_miss_unknown_not_new(model, tokenizer)
         assert x.segments[0].unknown is Unknown.EVENTS_LOST
 
 
-def test_keys_dropped_by_the_bound_make_a_miss_forgotten(engine):
+def test_keys_dropped_by_the_bound_make_a_miss_forgotten_and_a_new_page_stays_new(engine):
     run(engine, [PROMPT])
     engine.clear()
     run(engine, [tuple(range(100, 117))])  # four other keys: the bound drops the first prompt's, long dead
-    (again,) = run(engine, [PROMPT])
+    again = run(engine, [PROMPT])
+    engine.clear()
+    fresh = run(engine, [tuple(range(200, 217))])  # dropping the eight dead keys leaves eight fingerprints
     history = history_of(engine, max_keys=2)
-    (x,) = checked(explain(history, engine.request_info([again]), page_size=4), engine.request_info([again]))
+    infos = engine.request_info(again + fresh)
+    x_again, x_fresh = checked(explain(history, infos, page_size=4), infos)
+    assert causes(x_again) == [(0, 16, Cause.UNKNOWN), (16, 17, Cause.LAST_TOKEN)]
+    assert x_again.segments[0].unknown is Unknown.FORGOTTEN and history.forgotten == 12
+    assert causes(x_fresh) == [(0, 16, Cause.NEW), (16, 17, Cause.LAST_TOKEN)], "a dropped key leaves a fingerprint"
+    assert len(history) == 4, "the cached keys are always kept: the bound drops only evicted or cleared ones"
+    # past the fingerprints' bound (four per key kept), nothing proves a page new any more
+    (past,) = explain(history_of(engine, max_keys=1), engine.request_info(fresh), page_size=4)
+    assert causes(past) == causes(x_again) and past.segments[0].unknown is Unknown.FORGOTTEN
+
+
+def test_a_lookup_older_than_a_key_s_kept_stays_is_forgotten(engine):
+    run(engine, [PROMPT])
+    engine.clear()
+    (looked,) = run(engine, [PROMPT])  # its pages had been cleared
+    for _ in range(LIVES_KEPT):  # the same pages stored and cleared again and again: the oldest stays are dropped
+        engine.clear()
+        run(engine, [PROMPT])
+    (x,) = explained(engine, [looked])
     assert causes(x) == [(0, 16, Cause.UNKNOWN), (16, 17, Cause.LAST_TOKEN)]
-    assert x.segments[0].unknown is Unknown.FORGOTTEN and history.forgotten > 0
-    assert len(history) == 8, "the cached keys are always kept: the bound drops only evicted or cleared ones"
+    assert x.segments[0].unknown is Unknown.FORGOTTEN
 
 
 def test_feeding_the_same_events_twice_changes_nothing(engine):

@@ -160,6 +160,7 @@ class _Prompt:
         length, size = len(prompt), page_size
         self.length, self.size = length, size
         self.pages: list[Tokens] = [prompt[i * size : (i + 1) * size] for i in range(length // size)]
+        self.forgotten_from: int | None = None  # the first page whose key was dropped by the history's bound
         self.own = self._walk_own() if lookup.at is not None else []
         self._other: dict[bool, list[Held | None]] = {}  # other replicas (True) / namespaces (False): per page
 
@@ -221,7 +222,16 @@ class _Prompt:
         if divergence is not None:
             return _Fact(Cause.DIVERGED, divergence=divergence)
         reason = self.history.incomplete_before(at)
+        if self._forgotten(i, at):
+            reason = reason or Unknown.FORGOTTEN
         return _Fact(Cause.UNKNOWN, unknown=reason) if reason else _NEW
+
+    def _forgotten(self, i: int, at: int) -> bool:
+        """Whether the bound dropped what would tell: page ``i``'s stay before the lookup, or the key of a page of
+        its prefix (the chain to page ``i`` is then unknown)."""
+        if self.forgotten_from is not None and i >= self.forgotten_from:
+            return True
+        return any(rec.forgotten_before(at) for rec in self._own(i))
 
     def _ended(self, record: KeyRecord, life: Life) -> _Fact:
         return _Fact(Cause.CLEARED if life.cleared else Cause.EVICTED, page=self._life(record, life, with_end=True))
@@ -235,6 +245,8 @@ class _Prompt:
         for tokens in self.pages:
             found = [rec for parent in parents for rec in self.history.children(parent).get(tokens, ())]
             if not found:
+                if any(self.history.was_dropped(parent, tokens) for parent in parents):
+                    self.forgotten_from = len(chain)
                 break
             chain.append(found)
             parents = [(replica, rec.key, None) for rec in found]

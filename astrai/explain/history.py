@@ -13,10 +13,13 @@ Invariants and bounds:
   was fed already and is skipped, so overlapping reads are harmless; one above ``last_seq + 1`` means events were
   lost (the engine's ring of ``event_log_size`` overflowed between two reads). That gap is recorded, and every
   answer a lost event could change says "events lost" rather than guess.
-* The keys of cached pages are always kept (at most the pools' pages). Of the others (evicted or cleared) the newest
-  ``max_keys`` are: the one whose last stay ended first is dropped first. Of each key the last ``LIVES_KEPT`` stays
-  are kept. Anything dropped makes "never stored before" unprovable for later lookups: those answers say
-  "forgotten". First admissions: the newest ``max_requests``.
+* At most ``max_keys`` keys are kept: past it, the evicted or cleared key whose last stay ended first is dropped.
+  Keys of cached pages are never dropped (they are at most the pools' pages, by which the history may exceed the
+  bound), so every hit can name its storer. Of each key the last ``LIVES_KEPT`` stays are kept.
+* A dropped key leaves a fingerprint (a hash of its parent and tokens; the newest ``FINGERPRINTS_PER_KEY *
+  max_keys``), so a page that was stored before the kept history reads "forgotten", while one never stored still
+  reads new. Past the fingerprints' bound, nothing proves a page new any more: every such answer says "forgotten".
+  First admissions: the newest ``max_requests``.
 * Each event costs O(1) amortized (a clear: O(pages it ends)).
 """
 
@@ -31,6 +34,7 @@ from astrai.explain.records import Unknown
 from astrai.observation import CacheCleared, EngineEvent, PageEvicted, PageStored, RequestAdmitted
 
 LIVES_KEPT = 8  # stays kept per key: a lookup older than a key's kept stays is answered "forgotten"
+FINGERPRINTS_PER_KEY = 4  # dropped keys remembered by fingerprint, per key kept (about 90 bytes each)
 
 Tokens = tuple[int, ...]
 Parent = tuple[int, bytes | None, bytes | None]  # (replica, parent key, namespace of a chain's first page)
@@ -62,6 +66,11 @@ class KeyRecord:
     tokens: Tokens
     namespace: bytes | None  # a first page's namespace; None for later pages, or where not reported
     lives: list[Life] = field(default_factory=list)
+    dropped_from: int | None = None  # stays stored from this seq on, before the kept ones, were dropped
+
+    def forgotten_before(self, at: int) -> bool:
+        """Whether a dropped stay may have been the one in cache before ``at`` (no kept stay is stored before it)."""
+        return self.dropped_from is not None and self.dropped_from < at and self.lives[0].stored_seq >= at
 
     def covering(self, at: int) -> Life | None:
         """The stay that held the page at lookup moment ``at``: stored before it, not ended before it."""
@@ -114,8 +123,9 @@ class KeyHistory:
         self.gaps = 0  # how many times events were lost
         self.first_gap: tuple[int, int] | None = None  # (last seq read, next seq read) around the first loss
         self.forgotten = 0  # keys dropped by the bound
+        self._dropped: OrderedDict[int, int] = OrderedDict()  # fingerprint of a dropped key -> its first stored seq
         self.namespaces_known = True  # False once a chain's first page came without its namespace (vLLM)
-        self._forgotten_from: int | None = None  # the earliest stored seq of a dropped stay
+        self._forgotten_from: int | None = None  # the earliest stored seq of a fingerprint dropped in turn
         self._records: dict[tuple[int, bytes], KeyRecord] = {}
         self._children: dict[Parent, dict[Tokens, list[KeyRecord]]] = {}
         self._by_first: dict[tuple[Parent, int], list[KeyRecord]] = {}  # children by their first token
@@ -164,6 +174,7 @@ class KeyHistory:
             namespace = event.namespace if event.parent_key is None else None
             parent: Parent = (replica, event.parent_key, namespace)
             record = KeyRecord(replica, event.key, parent, event.token_ids, namespace)
+            record.dropped_from = self._dropped.pop(_fingerprint(parent, record.tokens), None)
             self._records[node] = record
             self._children.setdefault(parent, {}).setdefault(record.tokens, []).append(record)
             if record.tokens:
@@ -174,7 +185,8 @@ class KeyHistory:
             return  # cached already: a second store of one key changes nothing
         record.lives.append(Life(event.seq, event.step, event.request))
         if len(record.lives) > LIVES_KEPT:
-            self._forget_from(record.lives.pop(0).stored_seq)
+            dropped = record.lives.pop(0).stored_seq
+            record.dropped_from = dropped if record.dropped_from is None else record.dropped_from
         self._live.setdefault(replica, {})[event.key] = record
         self._dead.pop(node, None)
         while len(self._records) > self.max_keys and self._dead:
@@ -243,10 +255,11 @@ class KeyHistory:
             if not roots:
                 del self._roots[record.tokens]
         self.forgotten += 1
-        self._forget_from(record.lives[0].stored_seq)
-
-    def _forget_from(self, seq: int) -> None:
-        self._forgotten_from = seq if self._forgotten_from is None else min(self._forgotten_from, seq)
+        first = record.lives[0].stored_seq if record.dropped_from is None else record.dropped_from
+        self._dropped[_fingerprint(record.parent, record.tokens)] = first
+        while len(self._dropped) > FINGERPRINTS_PER_KEY * self.max_keys:
+            seq = self._dropped.popitem(last=False)[1]
+            self._forgotten_from = seq if self._forgotten_from is None else min(self._forgotten_from, seq)
 
     # ----- reading ----------------------------------------------------------------------------------
     def children(self, parent: Parent) -> Mapping[Tokens, list[KeyRecord]]:
@@ -261,11 +274,16 @@ class KeyHistory:
         """Chains' first pages holding ``tokens``, on every replica and in every namespace."""
         return self._roots.get(tokens, [])
 
+    def was_dropped(self, parent: Parent, tokens: Tokens) -> bool:
+        """Whether a key with these tokens after ``parent`` was stored and then dropped by the bound."""
+        return _fingerprint(parent, tokens) in self._dropped
+
     def admission(self, request: int | None) -> Admission | None:
         return None if request is None else self._admissions.get(request)
 
     def incomplete_before(self, at: int) -> Unknown | None:
-        """Why the history may miss a store before lookup moment ``at``: events lost, or stays dropped; else None."""
+        """Why the history may miss any store before lookup moment ``at``: events lost, or keys dropped past their
+        fingerprints; else None."""
         if self.first_gap is not None and self.first_gap[0] + 1 < at:
             return Unknown.EVENTS_LOST
         if self._forgotten_from is not None and self._forgotten_from < at:
@@ -275,3 +293,8 @@ class KeyHistory:
     def __len__(self) -> int:
         """Keys kept."""
         return len(self._records)
+
+
+def _fingerprint(parent: Parent, tokens: Tokens) -> int:
+    """A dropped key's trace: Python's hash of its parent and tokens (a collision only reads a new page "forgotten")."""
+    return hash((parent, tokens))

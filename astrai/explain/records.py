@@ -33,7 +33,8 @@ class Cause(StrEnum):
 class Unknown(StrEnum):
     """Why the history cannot tell a miss's cause (it never guesses)."""
 
-    FORGOTTEN = "forgotten"  # older than the kept history (its bound): maybe evicted before it, maybe new
+    FORGOTTEN = "forgotten"  # this page, or one before it, was stored and evicted before the kept history (its
+    # bound); past the bound's fingerprints too, any page may have been
     EVENTS_LOST = "events_lost"  # events between two read ones were lost (a gap in ``seq``): the page may have lived
     NO_ADMISSION = "no_admission"  # the request's lookup is not in the kept history, so its moment is unknown
     CONFLICT = "conflict"  # the history says it was cached at the lookup, yet it was not served (e.g. a vLLM server,
