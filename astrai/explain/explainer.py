@@ -240,7 +240,8 @@ class _Prompt:
     def _walk_own(self) -> list[list[KeyRecord]]:
         """The keys of the prompt's pages in its namespace, as far as any was ever stored (several per page only
         where namespaces are unknown: then every namespace's first page with these tokens is a candidate)."""
-        replica, chain = self.lookup.replica, []
+        replica = self.lookup.replica
+        chain: list[list[KeyRecord]] = []
         parents: list[Parent] = [(replica, None, self.lookup.namespace)]
         for tokens in self.pages:
             found = [rec for parent in parents for rec in self.history.children(parent).get(tokens, ())]

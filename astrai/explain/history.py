@@ -255,8 +255,8 @@ class KeyHistory:
             if not roots:
                 del self._roots[record.tokens]
         self.forgotten += 1
-        first = record.lives[0].stored_seq if record.dropped_from is None else record.dropped_from
-        self._dropped[_fingerprint(record.parent, record.tokens)] = first
+        stored = record.lives[0].stored_seq if record.dropped_from is None else record.dropped_from
+        self._dropped[_fingerprint(record.parent, record.tokens)] = stored
         while len(self._dropped) > FINGERPRINTS_PER_KEY * self.max_keys:
             seq = self._dropped.popitem(last=False)[1]
             self._forgotten_from = seq if self._forgotten_from is None else min(self._forgotten_from, seq)
