@@ -19,6 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from astrai.checkpoints import load_checkpoint
 from astrai.detokenizer import IncrementalDetokenizer
 from astrai.device import resolve_device, uses_openmp
+from astrai.explain import Explanation, KeyHistory, explain
 from astrai.kv_cache_manager import KVCacheManager
 from astrai.model_runner import SUPPORTED_DTYPES, ModelRunner, Preparation, kv_bytes_per_token
 from astrai.observation import (
@@ -134,6 +135,7 @@ class InferenceEngine:
         event_log_size: int = 4096,
         history_size: int = 4096,
         keep_finished: int = 512,
+        explain_keys: int = 16384,
     ):
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(SUPPORTED_DTYPES)}, got {dtype!r}")
@@ -144,6 +146,7 @@ class InferenceEngine:
             ("event_log_size", event_log_size),
             ("history_size", history_size),
             ("keep_finished", keep_finished),
+            ("explain_keys", explain_keys),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -170,6 +173,8 @@ class InferenceEngine:
         self._events: deque[EngineEvent] = deque(maxlen=event_log_size)
         self._event_seq = 0
         self._history: deque[StepSample] = deque(maxlen=history_size)
+        self._explain_lock = threading.Lock()  # the explainer's key history: fed and read by ``explain`` callers only
+        self._keys = KeyHistory(max_keys=explain_keys, max_requests=max(keep_finished, 4096))
         self.steps = 0  # completed steps; events of the step in progress carry steps + 1
         self._generated_tokens = 0
 
@@ -409,6 +414,22 @@ class InferenceEngine:
         with self._lock:
             known = (self._live.get(i) or self._ended.get(i) for i in request_ids)
             return [_info(req) for req in known if req is not None]
+
+    def explain(self, request_ids: list[int]) -> list[Explanation]:
+        """Why each prompt token of these requests was, or was not, served from the prefix cache at their first
+        admission: one ``Explanation`` per request still known (as ``request_info``), every token with one cause
+        (``astrai.explain``), the cached ones exactly the request's ``cached_tokens``.
+
+        Built on the caller's thread from this engine's own observation only: the events since the last call feed
+        its key history (at most ``explain_keys`` keys; cached ones are never dropped), under a lock of its own,
+        never ``_lock``. The event log is a ring of ``event_log_size``: where more events than that passed between
+        two calls, the causes they could change read "events lost", never a guess.
+        """
+        infos = self.request_info(request_ids)  # first: every admission these show is among the events read next
+        with self._explain_lock:
+            self._keys.feed(self.events(after=self._keys.last_seq))
+            page_size, caching = self.pool.page_size, self.cache.prefix_caching  # settings, fixed at construction
+            return explain(self._keys, infos, page_size=page_size, prefix_caching=caching)
 
     def shutdown(self, timeout: float = 10.0) -> bool:
         """Stop the loop; unfinished requests get an ``EngineClosedError``.

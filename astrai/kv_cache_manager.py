@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from astrai.page_pool import PageKey, PagePool, page_key
+from astrai.page_pool import PageKey, PagePool, namespace_id, page_key
 from astrai.request import Request
 
 HIT_WINDOW = 32  # lookups in the "recent" hit rate
@@ -64,7 +64,7 @@ class KVCacheManager:
         for page in hits:
             self.pool.acquire(page)
         req.pages = list(hits)
-        req.pages.extend(self.pool.allocate() for _ in range(need))
+        req.pages.extend(self.pool.allocate(req.id) for _ in range(need))
         req.indexed_pages = len(hits)
         req.num_computed = hit
         readmission = req.cached_tokens is not None
@@ -104,7 +104,7 @@ class KVCacheManager:
         if need > self.pool.available:
             return False
         if need > 0:  # a decode step mostly has a page to write into already
-            req.pages.extend(self.pool.allocate() for _ in range(need))
+            req.pages.extend(self.pool.allocate(req.id) for _ in range(need))
         return True
 
     def mark_pending(self, req: Request, total_tokens: int) -> None:
@@ -120,10 +120,11 @@ class KVCacheManager:
         """Register the request's pages that became full in this step's forward."""
         full = req.num_computed // self.page_size
         if self.prefix_caching and full > req.indexed_pages:  # most decode steps fill no page: no keys to build
-            keys = self._keys(req, full)
+            keys, namespace = self._keys(req, full), namespace_id(req.cache_salt)
             for i in range(req.indexed_pages, full):
                 parent = keys[i - 1] if i else None
-                self.pool.register(req.pages[i], keys[i], self._page_tokens(req, i), i, parent, request=req.id)
+                tokens = self._page_tokens(req, i)
+                self.pool.register(req.pages[i], keys[i], tokens, i, parent, request=req.id, namespace=namespace)
         req.indexed_pages = max(req.indexed_pages, full)
 
     def end_step(self) -> None:

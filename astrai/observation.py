@@ -104,16 +104,28 @@ class PageStored(EngineEvent):
     chain_pos: int
     request: int | None
     token_ids: tuple[int, ...]
+    # the prefix-cache namespace it was stored in: an opaque digest of the request's ``cache_salt`` (never the salt),
+    # equal for equal salts. A chain's first page has no parent key, so only this tells two namespaces' first pages
+    # apart (the explainer's "another namespace"). None: not reported (a vLLM server's events carry no salt).
+    namespace: bytes | None = None
 
 
 @dataclass(frozen=True)
 class PageEvicted(EngineEvent):
-    """A cached page was taken from the LRU for a new allocation; its KV is gone (what it held is kept here)."""
+    """A cached page was taken by the eviction policy; its KV is gone (what it held is kept here).
+
+    ``for_request`` is the request whose page allocation took it, None when it was evicted on demand (the trace
+    replay trims its cache so) or where not reported (vLLM). It was the policy's victim, the first of the
+    ``evictable`` cached pages in the eviction order at that moment (itself included); None: not reported (vLLM
+    publishes no eviction order).
+    """
 
     page: int
     key: bytes
     parent_key: bytes | None
     token_ids: tuple[int, ...]
+    for_request: int | None = None
+    evictable: int | None = None
 
 
 @dataclass(frozen=True)
@@ -144,6 +156,7 @@ class RequestAdmitted(EngineEvent):
     cached_output_tokens: int
     hit_pages: tuple[int, ...]
     readmission: bool  # True when it comes back after a preemption
+    namespace: bytes | None = None  # its prefix-cache namespace, as ``PageStored.namespace``; None: not reported
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ lightly used pool stays legible. ``allocate`` evicts only when the free list is 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import heapq
 from collections.abc import Callable, Sequence
@@ -47,6 +48,16 @@ def page_key(parent: PageKey | None, tokens: Sequence[int], salt: str | None = N
         h.update(b"page:" + parent)
     h.update(b"|" + ",".join(map(str, tokens)).encode())
     return h.digest()
+
+
+@functools.lru_cache(maxsize=1024)
+def namespace_id(salt: str | None) -> bytes:
+    """The opaque id of a prefix-cache namespace, published with the pages stored in it (``PageStored.namespace``).
+
+    A digest, so the events never carry a salt (the playground's salts are session hashes); equal salts give equal
+    ids, and no salt is a namespace of its own. Memoized: a commit asks once per request per step.
+    """
+    return hashlib.blake2b(b"namespace:" + (salt or "").encode("utf-8", "surrogatepass"), digest_size=8).digest()
 
 
 @dataclass
@@ -139,10 +150,11 @@ class PagePool:
         self.hits[page] += 1
         self.touch(page)
 
-    def allocate(self) -> int:
-        """A fresh page with ref count 1: the lowest free one, after evicting the policy's victim if none is free."""
+    def allocate(self, for_request: int | None = None) -> int:
+        """A fresh page with ref count 1: the lowest free one, after evicting the policy's victim if none is free
+        (its event names ``for_request``, the request the page is for)."""
         if not self.free:
-            self.evict()
+            self.evict(for_request)
         page = heapq.heappop(self.free)
         self.ref_count[page] = 1
         self._used += 1
@@ -174,9 +186,11 @@ class PagePool:
         chain_pos: int,
         parent: PageKey | None = None,
         request: int | None = None,
+        namespace: bytes | None = None,
     ) -> bool:
-        """Index a page whose KV was just written by ``request``, chained after ``parent``. False if the key is
-        taken (another page already holds these tokens after this prefix)."""
+        """Index a page whose KV was just written by ``request``, chained after ``parent``, in ``namespace`` (as
+        ``namespace_id`` names it; only its event carries it). False if the key is taken (another page already
+        holds these tokens after this prefix)."""
         if self.ref_count[page] <= 0:
             raise RuntimeError(f"only an in-use page can be registered, page {page} is not")
         if self.key[page] is not None or key in self.index:
@@ -200,6 +214,7 @@ class PagePool:
                 chain_pos=chain_pos,
                 request=request,
                 token_ids=token_ids,
+                namespace=namespace,
             )
         return True
 
@@ -215,10 +230,13 @@ class PagePool:
         self.index.clear()
         return freed
 
-    def evict(self) -> int:
-        """Evict the page the policy picks (one must be cached): its KV is forgotten and it goes free. Returns it."""
+    def evict(self, for_request: int | None = None) -> int:
+        """Evict the page the policy picks (one must be cached): its KV is forgotten and it goes free. Returns it.
+
+        Its event says for which request (None: on demand) and how many pages were evictable then, it the first."""
         if not self.policy:
             raise MemoryError("no free or evictable page left")
+        evictable = len(self.policy)
         page = self.policy.victim()
         key, parent, tokens = self.key[page], self.parent_key[page], self.tokens[page]
         if key is not None and self.index.get(key) == page:
@@ -228,7 +246,15 @@ class PagePool:
         self.stats.evictions += 1
         self.touch(page)
         if self._emit is not None:
-            self._emit(PageEvicted, page=page, key=key, parent_key=parent, token_ids=tokens or ())
+            self._emit(
+                PageEvicted,
+                page=page,
+                key=key,
+                parent_key=parent,
+                token_ids=tokens or (),
+                for_request=for_request,
+                evictable=evictable,
+            )
         return page
 
     def _reset(self, page: int) -> None:

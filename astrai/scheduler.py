@@ -13,7 +13,7 @@ from collections import deque
 
 from astrai.kv_cache_manager import KVCacheManager
 from astrai.observation import RequestAdmitted, RequestPreempted
-from astrai.page_pool import Emit
+from astrai.page_pool import Emit, namespace_id
 from astrai.request import Request, Status
 
 
@@ -95,6 +95,7 @@ class Scheduler:
                 cached_output_tokens=hit - cached_prompt,
                 hit_pages=tuple(req.pages[: hit // self.cache.page_size]),
                 readmission=req.preemptions > 0,
+                namespace=namespace_id(req.cache_salt),
             )
 
     def _preempt(self, req: Request) -> None:

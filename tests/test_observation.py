@@ -76,6 +76,21 @@ def test_events_are_typed_numbered_and_stamped_with_their_step(tight):
     assert tight.events(after=events[-1].seq) == []
 
 
+def test_evictions_name_the_request_they_made_room_for_and_pages_their_namespace(tight):
+    """What the explainer reads: an eviction's requester and the eviction order's length then, and the namespace
+    (a digest of the salt, never the salt) of each stored page and admitted request."""
+    tight.generate(PROMPTS, max_tokens=40)
+    tight.generate(PROMPTS[:1], max_tokens=2, cache_salt="alice")
+    events = tight.events()
+    admitted = {e.request: e for e in events if isinstance(e, RequestAdmitted) and not e.readmission}
+    evicted = [e for e in events if isinstance(e, PageEvicted)]
+    assert evicted and all(e.for_request in admitted and e.evictable >= 1 for e in evicted)
+    stored = [e for e in events if isinstance(e, PageStored)]
+    assert all(e.namespace == admitted[e.request].namespace for e in stored)
+    namespaces = {e.namespace for e in admitted.values()}
+    assert len(namespaces) == 2 and all(len(n) == 8 and b"alice" not in n for n in namespaces)
+
+
 def test_step_history_has_one_sample_per_step_that_adds_up(tight, tokenizer):
     states: list[tuple[int, int, int]] = []  # (free, in use, cached) pages of a snapshot taken with each sample
     record = tight._record_step
