@@ -148,14 +148,15 @@ def test_views_and_charts_say_n_a_for_what_vllm_does_not_report(fake_http):
             figure = charts.page_map(pages, str)
             hover = json.dumps(figure.to_plotly_json()["data"][0]["text"])
             if backend is with_events:
-                assert "ref count n/a" in hover and "LRU order n/a" in hover
+                assert "ref count n/a" in hover and "order n/a: the backend does not report it (vLLM: its LRU" in hover
             charts.prefix_tree(tree.prefix_tree(snapshot.pages, [], {}, "me", backend.decode), str)
-            recording = replay.Recording(snapshot, tuple(history), ())
-            replay.replay_series(recording, len(history))
+            recording = replay.Recording(snapshot, tuple(history), (), closed=True, eviction=stats.eviction)
+            frames = len(recording.frames)
+            replay.replay_series(recording, frames)
             replayed = replay.pages_at(recording, len(history))
             assert all(p.lru_rank is None for p in replayed), "vLLM publishes no LRU order: replay must not invent one"
             assert any(p.state == "cached" for p in replayed) or backend is without
-            assert "n/a" in replay.narrate(recording, len(history)) or not history
+            assert "n/a" in replay.narrate(recording, frames) or not history
     finally:
         with_events.shutdown()
         without.shutdown()

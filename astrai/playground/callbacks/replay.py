@@ -107,7 +107,9 @@ class ReplayCallbacks:
             page_map = fleet.replica_page_maps(maps, panel_label, title=f"Page map per replica after step {step}")
         else:
             page_views = pages.page_views(records, owners, session, set(), decode)
-            page_map = charts.page_map(page_views, panel_label, title=f"Page map after step {step}")
+            page_map = charts.page_map(
+                page_views, panel_label, title=f"Page map after step {step}", no_rank=replay.no_rank(recording)
+            )
         update: Update = {
             controls.step: frame,  # a plain value: the maximum was set when the run ended
             controls.note: f"**Replay** · {replay.narrate(recording, frame)}",

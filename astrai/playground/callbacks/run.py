@@ -136,7 +136,12 @@ class RunCallbacks:
 
         try:
             with ctx.engines.run_on(profile) as backend, ctx.visitors.running(profile, session):
-                base, stats = backend.snapshot(), backend.stats()
+                base = backend.snapshot()
+                try:
+                    stats = backend.stats()
+                    looks_up, eviction = stats.prefix_caching, stats.eviction
+                except BackendError:  # a server away: the run itself says so, panel by panel
+                    looks_up, eviction = True, None
                 prompts = [backend.format_prompt(batch.prefix, p) for p in batch.prompts]
                 # caching off: an engine without it, or on a server's own pool a namespace per prompt
                 run = backend.submit(prompts, batch.params, batch.salt(session), share_cache=caching)
@@ -146,13 +151,11 @@ class RunCallbacks:
                     (),
                     tuple(run.request_ids),
                     backend.generation,
-                    prefix_caching=stats.prefix_caching,
-                    eviction=stats.eviction,
+                    prefix_caching=looks_up,
+                    eviction=eviction,
                 )
                 visitor.following, visitor.playback = True, None
-                visitor.shown = ShownRun(
-                    tuple(run.request_ids), tuple(batch.prompts), profile, caching=stats.prefix_caching
-                )
+                visitor.shown = ShownRun(tuple(run.request_ids), tuple(batch.prompts), profile, caching=looks_up)
                 try:
                     yield texts()
                     pacer = Pacer(ctx.runs.interval)

@@ -144,7 +144,12 @@ def _discrete_colorscale(colors: list[str]) -> list[list]:
     return scale
 
 
-def _describe(p: PageView, panel_label: Callable[[int], str], cached_total: int) -> tuple[int, str]:
+NOT_REPORTED_ORDER = "the backend does not report it (vLLM: its LRU order)"
+
+
+def _describe(
+    p: PageView, panel_label: Callable[[int], str], cached_total: int, no_rank: str = NOT_REPORTED_ORDER
+) -> tuple[int, str]:
     """The palette index and hover text of one page."""
     if p.just_evicted:
         color, state = 2, "just evicted" + (" (already reused)" if p.state == "in_use" else "")
@@ -152,7 +157,7 @@ def _describe(p: PageView, panel_label: Callable[[int], str], cached_total: int)
         color = FIRST_PANEL + p.panels[0] % len(PANEL_COLORS) if p.panels else 1
         state = "in use" + (" (shared)" if _shared(p) else "")
     elif p.state == "cached" and p.lru_rank is None:
-        color, state = FIRST_SHADE + len(CACHED_SHADES) // 2, "cached (eviction order n/a: not reported)"
+        color, state = FIRST_SHADE + len(CACHED_SHADES) // 2, f"cached (eviction order n/a: {no_rank})"
     elif p.state == "cached":
         shade = (len(CACHED_SHADES) - 1) * (p.lru_rank or 0) // max(cached_total - 1, 1)
         color, state = FIRST_SHADE + shade, f"cached, eviction rank {p.lru_rank} (0 = evicted next)"
@@ -191,7 +196,12 @@ class PageGrid:
     shown: str  # which pages the grid holds, in words
 
 
-def page_grid(pages: Sequence[PageView], panel_label: Callable[[int], str], cols: int | None = None) -> PageGrid:
+def page_grid(
+    pages: Sequence[PageView],
+    panel_label: Callable[[int], str],
+    cols: int | None = None,
+    no_rank: str = NOT_REPORTED_ORDER,
+) -> PageGrid:
     """Rows past the last non-free page are left out (a pool hands out its lowest free page first, so the used
     range is packed at the top)."""
     n = len(pages)
@@ -206,7 +216,7 @@ def page_grid(pages: Sequence[PageView], panel_label: Callable[[int], str], cols
     shared_x, shared_y = [], []
     for p in pages:
         r, c = divmod(p.page, cols)
-        z[r][c], hover[r][c] = _describe(p, panel_label, cached_total)
+        z[r][c], hover[r][c] = _describe(p, panel_label, cached_total, no_rank)
         if p.state == "in_use" and _shared(p):
             shared_x.append(c)
             shared_y.append(r)
@@ -237,9 +247,14 @@ def page_cells(grid: PageGrid) -> list[BaseTraceType]:
     ]
 
 
-def page_map(pages: Sequence[PageView], panel_label: Callable[[int], str], title: str = "Page map") -> go.Figure:
+def page_map(
+    pages: Sequence[PageView],
+    panel_label: Callable[[int], str],
+    title: str = "Page map",
+    no_rank: str = NOT_REPORTED_ORDER,
+) -> go.Figure:
     """Every page as a cell; shared in-use pages carry an x."""
-    grid = page_grid(pages, panel_label)
+    grid = page_grid(pages, panel_label, no_rank=no_rank)
     fig = go.Figure(page_cells(grid))
     fig.update_xaxes(visible=False)
     fig.update_yaxes(visible=False, autorange="reversed", scaleanchor="x")

@@ -99,6 +99,13 @@ def pages_at(recording: Recording, index: int) -> list[PageRecord]:
     ]
 
 
+def no_rank(recording: Recording) -> str:
+    """Why a cached page of this replay has no eviction rank: the backend's, or a policy whose order is not rebuilt."""
+    if recording.eviction in (None, "lru"):
+        return "the backend does not report it (vLLM: its LRU order)"
+    return f"{recording.eviction.upper()} reorders pages no step touched, so a replay does not rebuild its order"
+
+
 def _rank(record: PageRecord) -> int:
     return record.lru_rank if record.lru_rank is not None else -1
 
