@@ -92,7 +92,8 @@ class ReplayCallbacks:
         frame = max(0, min(frame, len(recording.frames)))
         index = recording.samples_at(frame)
         records = replay.pages_at(recording, index)
-        owners = self.ctx.visitors.owners(sorted({r for p in records for r in (*p.requests, p.stored_by) if r}))
+        requests = {r for p in records for r in (*p.requests, p.stored_by) if r is not None}  # ids start at 0
+        owners = self.ctx.visitors.owners(sorted(requests))
         decode, special = text.readable(backend.decode, backend.special_ids()), backend.special_ids()
         data = replay.replay_series(recording, frame)
         texts = replay.texts_at(recording, index, lambda ids: backend.decode([t for t in ids if t not in special]))
