@@ -117,6 +117,7 @@ class Visitor:
     name: str
     page: Any
     watch: Watch
+    log: Path  # the app's
     profile: Profile = DEFAULT_PROFILE
     last: RunResult | None = None  # the run the replay shows
     toasts_seen: list[dict[str, str]] = field(default_factory=list)
@@ -146,7 +147,7 @@ def test_browser_two_visitors_walk_every_lesson_step_and_scenario(walk_app):
         watches.append(watch)
 
     with open_visitors(url, 2, viewport=(1366, 768), prepare=prepare) as pages:
-        a, b = (Visitor(w.name, page, w) for w, page in zip(watches, pages, strict=True))
+        a, b = (Visitor(w.name, page, w, log) for w, page in zip(watches, pages, strict=True))
         default_engine = Client(url, verbose=False)  # a session of its own, on the default engine
         for visitor in (a, b):
             _open_accordions(visitor)
@@ -156,7 +157,7 @@ def test_browser_two_visitors_walk_every_lesson_step_and_scenario(walk_app):
             engine_stats = _walk(stop, a, b, default_engine, a_does_all=number % 2 == 0)
             print(f"{stop.title}: {time.monotonic() - started:.1f} s")
             seen[stop.scenario.profile.key] = engine_stats
-            _assert_nothing_went_wrong(stop, (a, b), log)
+            _assert_nothing_went_wrong(stop, (a, b))
         # the small pool's figures, as the visitors last saw them, are its engine's own (nobody ran there since)
         for profile_key, stats in seen.items():
             if profile_key == DEFAULT_PROFILE.key:
@@ -170,7 +171,7 @@ def test_browser_two_visitors_walk_every_lesson_step_and_scenario(walk_app):
         assert "warning" in kinds and "info" in kinds, f"Clear cache was both refused and done: {kinds}"
         ticks = [w.state()["checks"] for w in watches]
         assert min(ticks) > 10 * len(STOPS), f"the watch checked the live view too seldom: {ticks}"
-        _assert_nothing_went_wrong(None, (a, b), log)
+        _assert_nothing_went_wrong(None, (a, b))
 
 
 # ----- one stop ---------------------------------------------------------------------------------------------------
@@ -506,9 +507,7 @@ def _wait(v: Visitor, js: str, arg: Any, timeout_ms: int, what: str) -> None:
     except PlaywrightTimeout:
         raw = read(v.page).raw
         seen = {k: raw[k] for k in ("note", "replay_note", "stats", "badges", "table", "max_tokens", "replay_step")}
-        raise AssertionError(
-            f"{v.name}: waited {timeout_ms} ms for {what}; problems {v.watch.problems()}; {seen}"
-        ) from None
+        raise AssertionError(f"{v.name}: waited {timeout_ms} ms for {what}; problems {_problems(v)}; {seen}") from None
 
 
 def _poll(v: Visitor, problems: Callable[[View], list[str]], timeout: float, what: str) -> View:
@@ -518,14 +517,28 @@ def _poll(v: Visitor, problems: Callable[[View], list[str]], timeout: float, wha
         raw = read(v.page).raw
         seen = {k: raw[k] for k in ("note", "replay_note", "stats", "badges", "replay_step")}
         title = (raw["plots"]["page_map"] or {}).get("title")
-        raise AssertionError(f"{v.name}, {what}: {exc}; problems {v.watch.problems()}; {seen}; map {title!r}") from None
+        raise AssertionError(f"{v.name}, {what}: {exc}; problems {_problems(v)}; {seen}; map {title!r}") from None
 
 
-def _assert_nothing_went_wrong(stop: Stop | None, visitors: tuple[Visitor, ...], log: Path) -> None:
-    problems = [line for v in visitors for line in v.watch.problems()]
-    problems += [
-        f"app log: {line}" for line in log.read_text(errors="replace").splitlines() if LOG_PROBLEM.search(line)
-    ]
+def _log_problems(log: Path) -> list[str]:
+    """The app log's lines that say something failed; a traceback as its exception's line ("RuntimeError: ...")."""
+    lines = log.read_text(errors="replace").splitlines()
+    problems = []
+    for i, line in enumerate(lines):
+        if line.startswith("Traceback"):
+            said = next((later for later in lines[i + 1 :] if later and not later[0].isspace()), "?")
+            problems.append(f"app log: a traceback, {said}")
+        elif LOG_PROBLEM.search(line) and not re.match(r"\w+(Error|Exception)\b", line):
+            problems.append(f"app log: {line}")
+    return problems
+
+
+def _problems(*visitors: Visitor) -> list[str]:
+    return [line for v in visitors for line in v.watch.problems()] + _log_problems(visitors[0].log)
+
+
+def _assert_nothing_went_wrong(stop: Stop | None, visitors: tuple[Visitor, ...]) -> None:
+    problems = _problems(*visitors)
     assert not problems, f"after {stop.title if stop else 'the walk'}:\n" + "\n".join(problems)
 
 
