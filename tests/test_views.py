@@ -92,6 +92,15 @@ def test_token_highlights_mark_cached_tokens_and_special_tokens():
     assert pieces == [(views.SPECIAL_TOKEN_TEXT, "cached"), ("<5>", "cached"), ("<6>", "computed")]
 
 
+def test_token_highlights_write_a_newline_so_every_token_is_drawn():
+    """gr.HighlightedText draws a token's pieces between newlines, none empty: a newline token vanished, and the
+    coloured tokens no longer added up to the prompt's (tests/test_lesson_walk.py counts them in the browser)."""
+    pieces = views.token_highlights(
+        info(cached_tokens=1, prompt_ids=(5, 6, 7)), lambda ids: {5: "a", 6: "\n", 7: " "}[ids[0]]
+    )
+    assert [text for text, _ in pieces] == ["a", "⏎", " "]
+
+
 def test_a_special_token_reads_the_same_in_every_view():
     """The start-of-text token read "⟨s⟩" in the prompt's tokens but its raw text in the page hovers and the tree:
     every view writes tokens through ``readable``."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 CHROMIUM = "/usr/bin/chromium"
 # No sandbox as root; no background networking, since this machine reaches nothing outside loopback.
@@ -22,10 +23,15 @@ CHROMIUM_ARGS = [
 
 @contextlib.contextmanager
 def open_visitors(
-    url: str, count: int, timeout_ms: int = 60000, viewport: tuple[int, int] = (1400, 1000)
+    url: str,
+    count: int,
+    timeout_ms: int = 60000,
+    viewport: tuple[int, int] = (1400, 1000),
+    prepare: Callable[[Any], None] | None = None,
 ) -> Iterator[list]:
     """``count`` pages showing the playground at ``url``, each in a browser context of its own (its own cookies,
-    so its own Gradio session: another visitor), ready to click (the Run button is visible)."""
+    so its own Gradio session: another visitor), ready to click (the Run button is visible). ``prepare`` is called
+    with each page before it opens the playground (to listen to its console, or add an init script)."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
@@ -36,6 +42,8 @@ def open_visitors(
                 context = browser.new_context(viewport={"width": viewport[0], "height": viewport[1]})
                 context.route(re.compile(r"^https?://(?!127\.0\.0\.1)"), lambda route: route.abort())  # never stall
                 page = context.new_page()
+                if prepare is not None:
+                    prepare(page)
                 page.goto(url)
                 page.wait_for_selector("#run_btn", state="visible", timeout=timeout_ms)
                 pages.append(page)

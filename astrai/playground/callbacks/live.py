@@ -95,7 +95,10 @@ class LiveCallbacks:
                 update |= badges
             now = replace(now, badges=shown if visitor.streaming_since is not None else ())
         update[cache.cursor] = now
-        if not visitor.following or (quiet and previous.settled):  # replaying, or nothing moved: no redraw
+        if not visitor.following:  # replaying: no redraw, and the first tick back live draws everything (this
+            # tick's cursor can land after the one the Live button reset: "settled", it kept the replay on screen)
+            return update | {cache.cursor: replace(now, settled=False)}
+        if quiet and previous.settled:  # nothing moved: no redraw
             return update
         look = Look(session, set(visitor.shown.request_ids) if visitor.shown else None, _readable(backend))
         if states:

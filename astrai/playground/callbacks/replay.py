@@ -64,12 +64,26 @@ class ReplayCallbacks:
         return update
 
     def live(self, request: gr.Request) -> Update:
+        """Back to live: a new cursor (the next refresh redraws everything), and the panels show the run's text again,
+        not the step replayed last (a Follow-up turn takes its answers from them)."""
         visitor = self.ctx.visitors.act(session_of(request))
         visitor.following, visitor.playback = True, None
-        frames = len(visitor.recording.frames) if visitor.recording else 0
+        recording = visitor.recording
+        frames = len(recording.frames) if recording else 0
         controls = self.ui.replay
-        # a new cursor: the next refresh redraws everything
-        return {controls.timer: gr.Timer(active=False), controls.step: frames, self.ui.cache.cursor: LiveCursor()}
+        update: Update = {
+            controls.timer: gr.Timer(active=False),
+            controls.step: frames,
+            self.ui.cache.cursor: LiveCursor(),
+        }
+        backend = self.ctx.engines.backend(visitor.shown.profile) if visitor.shown else None
+        if recording is None or not recording.closed or backend is None or backend.generation != recording.generation:
+            return update  # a run still streaming writes its own text
+        special = backend.special_ids()
+        texts = replay.texts_at(
+            recording, recording.samples_at(frames), lambda ids: backend.decode([t for t in ids if t not in special])
+        )
+        return update | {box: texts[i] if i < len(texts) else "" for i, box in enumerate(self.ui.panels.outputs)}
 
     def page_map_at(self, index: int, request: gr.Request) -> list[dict[str, object]]:
         """The caller's recorded pool after ``index`` steps of their last run (state, refs, LRU rank), for tests."""
@@ -92,7 +106,8 @@ class ReplayCallbacks:
         frame = max(0, min(frame, len(recording.frames)))
         index = recording.samples_at(frame)
         records = replay.pages_at(recording, index)
-        owners = self.ctx.visitors.owners(sorted({r for p in records for r in (*p.requests, p.stored_by) if r}))
+        requests = {r for p in records for r in (*p.requests, p.stored_by) if r is not None}  # ids start at 0
+        owners = self.ctx.visitors.owners(sorted(requests))
         decode, special = text.readable(backend.decode, backend.special_ids()), backend.special_ids()
         data = replay.replay_series(recording, frame)
         texts = replay.texts_at(recording, index, lambda ids: backend.decode([t for t in ids if t not in special]))
@@ -139,5 +154,5 @@ class ReplayCallbacks:
             )
         controls.pause.click(self.pause, None, [controls.timer], api_visibility="private", **QUIET)
         controls.timer.tick(self.tick, None, frame, api_visibility="private", concurrency_limit=8, **QUIET)
-        back_to_live = [controls.timer, controls.step, cache.cursor]
+        back_to_live = [controls.timer, controls.step, cache.cursor, *self.ui.panels.outputs]
         controls.live.click(self.live, None, back_to_live, api_visibility="private", **QUIET)

@@ -240,6 +240,7 @@ def _highlights() -> tuple[gr.HighlightedText, ...]:
                 label=f"Panel {i + 1} prompt tokens",
                 color_map={"cached": "#22c55e", "computed": "#f97316"},
                 show_legend=True,
+                show_whitespaces=True,  # a token of spaces is drawn too: one piece per token
                 elem_id=f"tokens_{i}",
                 combine_adjacent=False,
                 min_width=150,

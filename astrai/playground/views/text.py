@@ -84,11 +84,13 @@ def readable(decode: Decode, special_ids: set[int]) -> Decode:
 
 def token_highlights(info: RequestInfo, shown: Decode, caching: bool = True) -> list[tuple[str, str]]:
     """The prompt's tokens labelled "cached" or "computed" (for gr.HighlightedText), capped for the page's sake;
-    with caching off, all "computed (caching off)"."""
+    with caching off, all "computed (caching off)". A newline reads "⏎", as in the page map and the tree:
+    gr.HighlightedText splits a token at its newlines and draws no piece that is empty, so a newline token vanished
+    and the coloured tokens no longer added up to the prompt's."""
     cached = info.cached_tokens or 0
     computed = "computed" if caching else "computed (caching off)"
     return [
-        (shown([token]), "cached" if i < cached and caching else computed)
+        (shown([token]).replace("\n", "⏎"), "cached" if i < cached and caching else computed)
         for i, token in enumerate(info.prompt_ids[:MAX_HIGHLIGHT_TOKENS])
     ]
 
