@@ -415,10 +415,14 @@ class InferenceEngine:
             known = (self._live.get(i) or self._ended.get(i) for i in request_ids)
             return [_info(req) for req in known if req is not None]
 
-    def explain(self, request_ids: list[int]) -> list[Explanation]:
+    def explain(
+        self, request_ids: list[int], viewer_owns: Callable[[int | None], bool] | None = None
+    ) -> list[Explanation]:
         """Why each prompt token of these requests was, or was not, served from the prefix cache at their first
         admission: one ``Explanation`` per request still known (as ``request_info``), every token with one cause
-        (``astrai.explain``), the cached ones exactly the request's ``cached_tokens``.
+        (``astrai.explain``), the cached ones exactly the request's ``cached_tokens``. ``viewer_owns``: which storing
+        requests the reader may see the tokens of (None: all; a page of someone else's is then never "diverged"
+        nor "another namespace" to them, only "new").
 
         Built on the caller's thread from this engine's own observation only: the events since the last call feed
         its key history (at most ``explain_keys`` keys; cached ones are never dropped), under a lock of its own,
@@ -429,7 +433,7 @@ class InferenceEngine:
         with self._explain_lock:
             self._keys.feed(self.events(after=self._keys.last_seq))
             page_size, caching = self.pool.page_size, self.cache.prefix_caching  # settings, fixed at construction
-            return explain(self._keys, infos, page_size=page_size, prefix_caching=caching)
+            return explain(self._keys, infos, page_size=page_size, prefix_caching=caching, viewer_owns=viewer_owns)
 
     def shutdown(self, timeout: float = 10.0) -> bool:
         """Stop the loop; unfinished requests get an ``EngineClosedError``.

@@ -41,7 +41,8 @@ import pytest
 
 from astrai.playground.backends.profiles import DEFAULT_PROFILE, Profile
 from astrai.playground.scenarios import FOLLOW_UP, SCENARIO_BY_NAME, Lesson, Scenario
-from astrai.playground.views.text import MAX_HIGHLIGHT_TOKENS
+from astrai.playground.views.causes import TABLE_CAUSES
+from astrai.playground.views.text import MAX_HIGHLIGHT_TOKENS, TABLE_COLUMNS
 from tests.support.needs import NO_CHROMIUM
 from tests.support.page_reading import MapCells, StatsLine, View, Watch, poll, read
 from tests.support.playground import Playground, playground, request
@@ -328,12 +329,16 @@ def _finish(v: Visitor, n: int, stop: Stop, caching: bool = True) -> RunResult:
             row,
             raw["badges"][i],
         )
-        assert 0 < int(row[5]) <= int(raw["max_tokens"]), (where, "generated", row)
+        generated = TABLE_COLUMNS.index("generated")
+        assert 0 < int(row[generated]) <= int(raw["max_tokens"]), (where, "generated", row)
+        by_cause = [int(cell) for cell in row[4 : 4 + len(TABLE_CAUSES)] if cell.isdigit()]
+        assert sum(by_cause[1:]) + (badge.cached or 0) == badge.prompt, (where, "the causes add up to the prompt", row)
         shown = min(badge.prompt, MAX_HIGHLIGHT_TOKENS)
         cached_shown = min(badge.cached or 0, MAX_HIGHLIGHT_TOKENS)
         assert tokens is not None and (tokens["total"], tokens["cached"]) == (shown, cached_shown), (
             f"{where}: the prompt tokens show {tokens} (cached + computed), the badge {raw['badges'][i]!r}"
         )
+        assert tokens["titled"], f"{where}: every run of tokens says why when hovered"
     assert all(t is None or t["total"] == 0 for t in raw["tokens"][n:]), raw["tokens"]
     texts = raw["outputs"][:n]
     assert all(texts), f"{v.name}: every panel streamed text: {texts}"

@@ -87,20 +87,6 @@ def test_a_running_badge_shows_only_settled_figures_so_it_changes_rarely():
     assert views.badge(None) == ""
 
 
-def test_token_highlights_mark_cached_tokens_and_special_tokens():
-    pieces = views.token_highlights(info(cached_tokens=2), views.readable(decode, {0}))
-    assert pieces == [(views.SPECIAL_TOKEN_TEXT, "cached"), ("<5>", "cached"), ("<6>", "computed")]
-
-
-def test_token_highlights_write_a_newline_so_every_token_is_drawn():
-    """gr.HighlightedText draws a token's pieces between newlines, none empty: a newline token vanished, and the
-    coloured tokens no longer added up to the prompt's (tests/test_lesson_walk.py counts them in the browser)."""
-    pieces = views.token_highlights(
-        info(cached_tokens=1, prompt_ids=(5, 6, 7)), lambda ids: {5: "a", 6: "\n", 7: " "}[ids[0]]
-    )
-    assert [text for text, _ in pieces] == ["a", "⏎", " "]
-
-
 def test_a_special_token_reads_the_same_in_every_view():
     """The start-of-text token read "⟨s⟩" in the prompt's tokens but its raw text in the page hovers and the tree:
     every view writes tokens through ``readable``."""
@@ -116,9 +102,6 @@ def test_with_prefix_caching_off_badges_and_rows_say_off_not_zero_cached():
     off = info(status="finished", cached_tokens=0)
     assert "prefix caching off" in views.badge(off, caching=False) and "cached" not in views.badge(off, False)
     assert views.request_rows([off], ["p"], caching=False)[0][4] == "off"
-    assert {label for _, label in views.token_highlights(off, views.readable(decode, set()), False)} == {
-        "computed (caching off)"
-    }
 
 
 def stats(**changes) -> CacheStats:

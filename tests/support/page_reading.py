@@ -128,10 +128,10 @@ READ_JS = r"""
   const tokens = i => {
     const box = document.getElementById(`tokens_${i}`);
     if (!box) return null;
-    const legend = [...box.querySelectorAll('.legend-item')].find(b => b.innerText.trim() === 'cached');
-    const green = legend ? legend.style.backgroundColor : null;
-    const spans = [...box.querySelectorAll('.token')];
-    return {total: spans.length, cached: spans.filter(s => green && s.style.backgroundColor === green).length};
+    const spans = [...box.querySelectorAll('[data-cause]')];  // a run of tokens of one cause (views/causes.py)
+    const count = runs => runs.reduce((n, s) => n + +s.dataset.tokens, 0);
+    return {total: count(spans), cached: count(spans.filter(s => s.dataset.cause === 'cached')),
+            titled: spans.every(s => s.title.length > 0)};
   };
   const table = [];
   for (const cell of document.querySelectorAll('#requests [role=gridcell][data-row]')) {

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import itertools
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from astrai import EngineClosedError, InferenceEngine, RequestFailedError, SamplingParams
+from astrai.explain import Explanation
 from astrai.observation import CacheSnapshot, CacheStats, EngineEvent, RequestInfo, StepSample
 from astrai.playground.backends.protocol import (
     BackendUnavailable,
@@ -119,6 +120,9 @@ class LocalBackend:
 
     def served_by(self, request_ids: list[int]) -> dict[int, Served]:
         return {}
+
+    def explain(self, request_ids: list[int], viewer_owns: Callable[[int | None], bool]) -> list[Explanation]:
+        return self._engine.explain(request_ids, viewer_owns)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self._engine.tokenizer.decode(list(token_ids)))

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from astrai.explain import Explanation
 from astrai.observation import CacheSnapshot, CacheStats, EngineEvent, RequestInfo, StepSample
 from astrai.playground.backends.profiles import Profile
 from astrai.sampling import SamplingParams
@@ -195,6 +196,11 @@ class Backend(Protocol):
 
     def served_by(self, request_ids: list[int]) -> dict[int, Served]:
         """Which replica served each request, where that is known (a fleet); {} otherwise."""
+        ...
+
+    def explain(self, request_ids: list[int], viewer_owns: Callable[[int | None], bool]) -> list[Explanation]:
+        """Why each prompt token of these requests was or was not served from the cache (``astrai.explain``), as
+        the viewer may see it (``viewer_owns``: the storing requests that are theirs)."""
         ...
 
     def decode(self, token_ids: Sequence[int]) -> str: ...

@@ -89,7 +89,7 @@ class LiveCallbacks:
             line += "  \n" + fleet.fleet_line(states, [(r.policy, r.metrics()) for r in backend.routers])
         update: Update = {cache.stats: line}
         if visitor.streaming_since is not None or previous.badges:
-            badges = self.runs.details(visitor, highlights=False)
+            badges = self.runs.details(visitor, session, highlights=False)
             shown = tuple(badges[b] for b in self.ui.panels.badges)
             if shown != previous.badges:
                 update |= badges

@@ -62,7 +62,7 @@ class RoutingCallbacks:
         visitor.shown, visitor.recording = ShownRun(tuple(last_wave), prompts, visitor.profile), None
         cache, outputs = self.ui.cache, self.ui.panels.outputs
         update: Update = {cache.routing: fleet.routing_chart(results), cache.routing_note: fleet.routing_note(results)}
-        update |= self.runs.details(visitor, final=True)
+        update |= self.runs.details(visitor, session, final=True)
         return update | {box: answers[i] if i < len(answers) else "" for i, box in enumerate(outputs)}
 
     def _pass(

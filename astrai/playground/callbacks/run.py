@@ -17,16 +17,17 @@ from typing import Any
 import gradio as gr
 from gradio.components import Component
 
+from astrai.explain import Explanation
 from astrai.playground import knobs
 from astrai.playground.backends.profiles import Profile
-from astrai.playground.backends.protocol import BackendError
+from astrai.playground.backends.protocol import Backend, BackendError
 from astrai.playground.callbacks.context import QUIET, Context, Update, run_infos, served_once_named, session_of
 from astrai.playground.callbacks.pacing import Pacer
 from astrai.playground.scenarios import FOLLOW_UP, NAMESPACES, Namespace
 from astrai.playground.state import ShownRun, Visitor
 from astrai.playground.ui.components import MAX_PANELS, by_name
 from astrai.playground.ui.layout import MAX_NEW_TOKENS, MAX_PROMPT_CHARS
-from astrai.playground.views import charts, fleet, replay, text
+from astrai.playground.views import causes, charts, fleet, replay, text
 from astrai.sampling import SamplingParams
 
 # Every visitor's end-of-run update (Run's and Stop's), in one group wider than the default 2: on a fleet it can wait
@@ -182,16 +183,19 @@ class RunCallbacks:
         panels = self.ui.panels
         return {**dict.fromkeys(panels.badges, ""), **dict.fromkeys(panels.highlights), self.ui.cache.table: []}
 
-    def details(self, visitor: Visitor, highlights: bool = True, final: bool = False) -> Update:
-        """The badges (and, unless told not to, the token colouring and request table) of the latest run; ``final``
-        once it ended: a fleet's badges then wait (briefly) for the events naming each panel's replica."""
+    def details(self, visitor: Visitor, session: str, highlights: bool = True, final: bool = False) -> Update:
+        """The badges (and, unless told not to, the token colouring and request table) of the latest run, each
+        prompt token's cause in them (``views/causes.py``, as this session may see it); ``final`` once it ended: a
+        fleet's badges then wait (briefly) for the events naming each panel's replica."""
         shown, panels = visitor.shown, self.ui.panels
         if shown is None:
             return self.no_details()
         backend = self.ctx.engines.backend(shown.profile)
         infos = run_infos(backend, shown)
+        own = set(self.ctx.visitors.requests_of(session))
+        whys = self._explain(backend, shown, own)
         update: Update = {
-            badge: text.badge(infos[i] if i < len(infos) else None, shown.caching)
+            badge: text.badge(infos[i] if i < len(infos) else None, shown.caching, whys[i])
             for i, badge in enumerate(panels.badges)
         }
         if backend is not None and backend.replicas:  # a fleet: each badge names the replica that served it
@@ -202,13 +206,28 @@ class RunCallbacks:
                     update[badge] += " · " + fleet.served_text(served.get(rid))
         if not highlights or backend is None:
             return update
-        update[self.ui.cache.table] = text.request_rows(infos, list(shown.prompts), shown.caching)
+        update[self.ui.cache.table] = text.request_rows(infos, list(shown.prompts), shown.caching, whys)
         shown_as = text.readable(backend.decode, backend.special_ids())
+        panel_of = {rid: i for i, rid in enumerate(shown.request_ids)}
+        whose = causes.Whose(panel_of, own, tuple(r.name for r in backend.replicas))
         for i, box in enumerate(panels.highlights):
-            info = infos[i] if i < len(infos) else None
-            known = info is not None and info.cached_tokens is not None
-            update[box] = text.token_highlights(info, shown_as, shown.caching) if info is not None and known else None
+            info, why = (infos[i], whys[i]) if i < len(infos) else (None, None)
+            if info is None or why is None or info.cached_tokens is None:  # not looked up yet, or unknown
+                update[box] = ""
+                continue
+            update[box] = causes.token_html(why, info.prompt_ids, shown_as, whose, text.MAX_HIGHLIGHT_TOKENS)
         return update
+
+    @staticmethod
+    def _explain(backend: Backend | None, shown: ShownRun, own: set[int]) -> list[Explanation | None]:
+        """Each panel's explanation (None where its request is unknown, or the backend cannot say now)."""
+        if backend is None:
+            return [None] * len(shown.request_ids)
+        try:
+            by_id = {e.request: e for e in backend.explain(list(shown.request_ids), own.__contains__)}
+        except BackendError:
+            return [None] * len(shown.request_ids)
+        return [by_id.get(rid) for rid in shown.request_ids]
 
     def after_run(self, request: gr.Request) -> Update:
         """Once a run ends (or is stopped): its final badges and table, the replay slider stretched over its steps
@@ -218,7 +237,7 @@ class RunCallbacks:
         visitor = ctx.visitors.act(session_of(request))
         recording = follow(ctx, visitor)
         frames = len(recording.frames) if recording else 0
-        update = self.details(visitor, final=True) | self.savings(visitor)
+        update = self.details(visitor, session_of(request), final=True) | self.savings(visitor)
         # the slider's range covers the run's steps; it moves to the last one only while the visitor follows live
         update[controls.step] = (
             gr.Slider(maximum=max(frames, 1), value=frames) if visitor.following else gr.Slider(maximum=max(frames, 1))

@@ -21,7 +21,7 @@ class Panels:
     prompts: tuple[gr.Textbox, ...]
     outputs: tuple[gr.Textbox, ...]
     badges: tuple[gr.Markdown, ...]
-    highlights: tuple[gr.HighlightedText, ...]  # each prompt's tokens, cached or computed
+    highlights: tuple[gr.HTML, ...]  # each prompt's tokens coloured by why they were cached or computed
 
 
 @dataclass(frozen=True)

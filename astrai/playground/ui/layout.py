@@ -232,19 +232,14 @@ def _panels(prompts: list[str]) -> Panels:
     return Panels(tuple(columns), tuple(boxes), tuple(outputs), tuple(badges), ())
 
 
-def _highlights() -> tuple[gr.HighlightedText, ...]:
-    accordion = gr.Accordion("Prompt tokens: cached or computed", open=False, elem_id="tokens_accordion")
+def _highlights() -> tuple[gr.HTML, ...]:
+    """Each panel's prompt tokens coloured by cause (``views/causes.py``); hover a run of tokens for why."""
+    accordion = gr.Accordion(
+        "Prompt tokens: why each was cached or computed (hover a run of tokens)", open=False, elem_id="tokens_accordion"
+    )
     with accordion, gr.Row(equal_height=False):
         return tuple(
-            gr.HighlightedText(
-                label=f"Panel {i + 1} prompt tokens",
-                color_map={"cached": "#22c55e", "computed": "#f97316"},
-                show_legend=True,
-                show_whitespaces=True,  # a token of spaces is drawn too: one piece per token
-                elem_id=f"tokens_{i}",
-                combine_adjacent=False,
-                min_width=150,
-            )
+            gr.HTML(label=f"Panel {i + 1} prompt tokens", show_label=True, elem_id=f"tokens_{i}", min_height=0)
             for i in range(MAX_PANELS)
         )
 

@@ -6,17 +6,22 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from astrai.explain import Cause, Explanation
 from astrai.observation import CacheStats, RequestInfo
 from astrai.playground.backends.protocol import EngineView
+from astrai.playground.views import causes
 
 MAX_HIGHLIGHT_TOKENS = 300
 SPECIAL_TOKEN_TEXT = "⟨s⟩"
+# then one column per cause of ``causes.TABLE_CAUSES`` (the first, "cached", is the engine's own cached tokens),
+# the tokens recomputed after preemptions (counted apart), and the run's figures
 TABLE_COLUMNS = [
     "panel",
     "prompt",
     "status",
     "prompt tokens",
-    "cached tokens",
+    *(causes.CAUSES[cause][0] for cause in causes.TABLE_CAUSES),
+    "recomputed (apart)",
     "generated",
     "TTFT s",
     "tok/s",
@@ -30,10 +35,11 @@ HIT_RATE_CAPTION = (
 )
 
 
-def badge(info: RequestInfo | None, caching: bool = True) -> str:
+def badge(info: RequestInfo | None, caching: bool = True, why: Explanation | None = None) -> str:
     """A panel's figures. While its request runs, only those that are settled (prompt, cached, TTFT): the badge
     then changes a few times per run, not at every refresh (each change costs the streaming text browser frames).
-    ``caching``: its engine looks prompts up; off, the badge says so rather than "0 cached"."""
+    ``caching``: its engine looks prompts up; off, the badge says so rather than "0 cached". ``why``: its prompt's
+    tokens by cause, once looked up ("48 cached · 13 new · 7 partial page · 1 last token")."""
     if info is None:
         return ""
     parts = [f"**{info.prompt_tokens}** prompt tokens"]
@@ -41,6 +47,8 @@ def badge(info: RequestInfo | None, caching: bool = True) -> str:
         parts.append("prefix caching off")
     elif info.cached_tokens is not None and info.prompt_tokens:
         parts.append(f"**{info.cached_tokens}** cached ({100 * info.cached_tokens / info.prompt_tokens:.0f}%)")
+        if why is not None and (rest := causes.summary(why, skip=(Cause.CACHED,))):
+            parts.append(rest)
     if info.ttft is not None:
         parts.append(f"TTFT {info.ttft:.2f} s")
     if info.status in ("waiting", "running"):
@@ -48,7 +56,7 @@ def badge(info: RequestInfo | None, caching: bool = True) -> str:
     elif info.tokens_per_s:
         parts.append(f"{info.tokens_per_s:.1f} tok/s")
     if info.preemptions:
-        again = f", {info.recomputed_tokens} tokens computed again" if info.recomputed_tokens else ""
+        again = f", {info.recomputed_tokens} tokens computed again (apart)" if info.recomputed_tokens else ""
         parts.append(f"preempted ×{info.preemptions}{again}")
     if info.status == "failed" and info.error:
         parts.append(f"failed: {info.error}")
@@ -82,37 +90,26 @@ def readable(decode: Decode, special_ids: set[int]) -> Decode:
     return shown
 
 
-def token_highlights(info: RequestInfo, shown: Decode, caching: bool = True) -> list[tuple[str, str]]:
-    """The prompt's tokens labelled "cached" or "computed" (for gr.HighlightedText), capped for the page's sake;
-    with caching off, all "computed (caching off)". A newline reads "⏎", as in the page map and the tree:
-    gr.HighlightedText splits a token at its newlines and draws no piece that is empty, so a newline token vanished
-    and the coloured tokens no longer added up to the prompt's."""
-    cached = info.cached_tokens or 0
-    computed = "computed" if caching else "computed (caching off)"
-    return [
-        (shown([token]).replace("\n", "⏎"), "cached" if i < cached and caching else computed)
-        for i, token in enumerate(info.prompt_ids[:MAX_HIGHLIGHT_TOKENS])
-    ]
-
-
-def request_rows(infos: Sequence[RequestInfo | None], prompts: Sequence[str], caching: bool = True) -> list[list]:
-    """One table row per panel that has a request, in ``TABLE_COLUMNS`` order (cached tokens: "off" where its
-    engine does not cache)."""
-    return [
-        [
-            i + 1,
-            prompts[i][:40],
-            info.status,
-            info.prompt_tokens,
-            info.cached_tokens if caching else "off",
-            info.generated_tokens,
-            round(info.ttft, 3) if info.ttft is not None else None,
-            round(info.tokens_per_s, 1) if info.tokens_per_s else None,
-            info.preemptions,
-        ]
-        for i, info in enumerate(infos)
-        if info is not None
-    ]
+def request_rows(
+    infos: Sequence[RequestInfo | None],
+    prompts: Sequence[str],
+    caching: bool = True,
+    whys: Sequence[Explanation | None] = (),
+) -> list[list]:
+    """One table row per panel that has a request, in ``TABLE_COLUMNS`` order: its tokens by cause (``whys``, where
+    explained; else the cached tokens alone), "off" for cached where its engine does not cache."""
+    rows = []
+    for i, info in enumerate(infos):
+        if info is None:
+            continue
+        why = whys[i] if i < len(whys) else None
+        by_cause: list[int | str | None] = list(causes.columns(why))
+        by_cause[0] = (info.cached_tokens if why is None else by_cause[0]) if caching else "off"
+        row: list[int | float | str | None] = [i + 1, prompts[i][:40], info.status, info.prompt_tokens, *by_cause]
+        row += [info.generated_tokens, round(info.ttft, 3) if info.ttft is not None else None]
+        row += [round(info.tokens_per_s, 1) if info.tokens_per_s else None, info.preemptions]
+        rows.append(row)
+    return rows
 
 
 def _count(value: int | None) -> str:

@@ -23,16 +23,18 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import openai
 
+from astrai.explain import Explanation
 from astrai.observation import CacheSnapshot, CacheStats, EngineEvent, RequestInfo, StepSample
 from astrai.playground.backends.protocol import Served, format_prompt
 from astrai.playground.backends.vllm import fleet
+from astrai.playground.backends.vllm.explaining import ServerKeys
 from astrai.playground.backends.vllm.prompts import ServerText, load_tokenizer, resolve_model
 from astrai.playground.backends.vllm.replica import HTTP_TIMEOUT, Replica
 from astrai.playground.backends.vllm.router import Router, RouterSpec
@@ -148,6 +150,7 @@ class VllmBackend:
         for replica in self._replicas:
             replica.start()
         self._observed = fleet.Replicas(self._replicas)
+        self._keys = ServerKeys(self._replicas)
 
     @staticmethod
     def _openai(url: str) -> openai.OpenAI:
@@ -258,12 +261,14 @@ class VllmBackend:
             payloads.append(
                 completion_payload(self.model, prompt, params, request, request_salt, routed=bool(self._routers))
             )
+        self._keys.sent([r.id for r in requests])
         with self._lock:
             for request in requests:
                 self._requests[request.id] = request
             while len(self._requests) > KEEP_REQUESTS:
                 old, _ = self._requests.popitem(last=False)
                 self._runs.pop(old, None)
+                self._keys.forget(old)
                 for replica in self._replicas:
                     replica.sampler.forget(old)
         client, url = self._client, self.url
@@ -304,6 +309,18 @@ class VllmBackend:
         with self._lock:
             sessions = {self._requests[r].vllm_id: r for r in request_ids if r in self._requests}
         return {sessions[session]: served for session, served in self._observed.served_by(sessions).items()}
+
+    def explain(self, request_ids: list[int], viewer_owns: Callable[[int | None], bool]) -> list[Explanation]:
+        """Each request's prompt tokens with their causes, judged as of when it was sent (``explaining.py``)."""
+        infos = self.request_info(request_ids)
+        index = {replica.name: i for i, replica in enumerate(self._replicas)}
+        served = {
+            rid: index[name]
+            for rid, where in self.served_by(request_ids).items()
+            if (name := where.replica.split(" (")[0]) in index
+        }
+        page_size = self.stats().page_size or 1
+        return self._keys.explain(infos, page_size, viewer_owns, served)
 
     # ----- observation: the one server's, or the replicas' seen as one cache (``fleet``) ------------------------
     def stats(self) -> CacheStats:

@@ -1,0 +1,189 @@
+"""Why each prompt token was or was not served from the cache, as a visitor reads it: the colours of the prompt's
+tokens with a hover text per run of tokens, a one-line summary for each panel's badge, the request table's columns,
+and the words the replay says. Pure: ``astrai.explain``'s records in, text and HTML out.
+
+Whose page a cause names is said as the visitor may know it: a panel of the run shown, an earlier run of theirs, or
+another session (never its text), and in a fleet the replica.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+from astrai.explain import Cause, Explanation, PageLife, Segment, Unknown
+
+# The causes in the order a reader meets them (cached first), with their words and colours.
+CAUSES: dict[Cause, tuple[str, str]] = {
+    Cause.CACHED: ("cached", "#86efac"),
+    Cause.NEW: ("new", "#fdba74"),
+    Cause.EVICTED: ("evicted", "#fca5a5"),
+    Cause.CLEARED: ("cleared", "#f9a8d4"),
+    Cause.DIVERGED: ("diverged", "#c4b5fd"),
+    Cause.PARTIAL_PAGE: ("partial page", "#e5e7eb"),
+    Cause.LAST_TOKEN: ("last token", "#fde68a"),
+    Cause.OTHER_NAMESPACE: ("another namespace", "#a5f3fc"),
+    Cause.OTHER_REPLICA: ("another replica", "#99f6e4"),
+    Cause.CACHING_OFF: ("caching off", "#d1d5db"),
+    Cause.NOT_ADMITTED: ("not looked up yet", "#f3f4f6"),
+    Cause.UNKNOWN: ("unknown", "#cbd5e1"),
+}
+TABLE_CAUSES = [c for c in CAUSES if c not in (Cause.NOT_ADMITTED,)]  # the request table's columns, in order
+NO_SALTS = (
+    "A vLLM server sends no salts: whether these tokens were cached under another namespace cannot be known here."
+)
+UNKNOWN_WORDS = {
+    Unknown.FORGOTTEN: "older than the history the app keeps",
+    Unknown.EVENTS_LOST: "events were lost while it was looked up",
+    Unknown.NO_ADMISSION: "its lookup is not in the kept history",
+    Unknown.CONFLICT: "the history and the server disagree (a server sends no salts)",
+}
+
+
+@dataclass(frozen=True)
+class Whose:
+    """How the viewer names a request: a panel of the run shown, an earlier run of theirs, or another session."""
+
+    panels: Mapping[int, int]  # request -> panel index, for the run shown
+    own: Collection[int]  # every request of the viewer's still remembered
+    replicas: Sequence[str] = ()  # replica names of a fleet, by index (empty for one cache)
+
+    def request(self, request: int | None) -> str:
+        if request is None:
+            return "a request the app does not know"
+        if request in self.panels:
+            return f"panel {self.panels[request] + 1} of this run"
+        return "an earlier run of yours" if request in self.own else "another session"
+
+    def replica(self, index: int) -> str:
+        return self.replicas[index] if 0 <= index < len(self.replicas) else f"replica {index + 1}"
+
+
+def hover(segment: Segment, whose: Whose) -> str:
+    """What one run of tokens says when hovered: its cause, and the facts the cause names."""
+    size = segment.end - segment.start
+    tokens = f"{size} token{'s' if size != 1 else ''}"
+    page = segment.page
+    cause = segment.cause
+    if cause is Cause.CACHED:
+        where = f" on {whose.replica(page.replica)}" if page is not None and whose.replicas else ""
+        stored = _stored(page, whose) if page is not None else "a page the history no longer holds"
+        line = f"{tokens} served from the cache{where}: {stored}"
+    elif cause is Cause.NEW:
+        line = f"{tokens} computed: no page with these tokens after this prefix was stored here before"
+    elif cause in (Cause.EVICTED, Cause.CLEARED) and page is not None:
+        line = f"{tokens} computed again: {_ended(page, whose)}"
+    elif cause is Cause.DIVERGED and segment.divergence is not None:
+        d = segment.divergence
+        line = (
+            f"{tokens} computed: your cached page after the same prefix differs from its token {d.at + 1} on "
+            f"(yours cached: {list(d.cached_tokens[d.at :])}; this prompt: {list(d.prompt_tokens[d.at :])})"
+        )
+    elif cause is Cause.PARTIAL_PAGE:
+        line = f"{tokens} after the last full page: only full pages are cached"
+    elif cause is Cause.LAST_TOKEN:
+        line = "the last prompt token is always computed, for the first output's logits"
+        if segment.costs_page:
+            line = (
+                f"{tokens}: a whole cached page unused, since the last token is always computed (hits stop at len - 1)"
+            )
+    elif cause is Cause.OTHER_NAMESPACE:
+        line = f"{tokens} computed: the same tokens are cached under another namespace (another salt)"
+    elif cause is Cause.OTHER_REPLICA and page is not None:
+        line = (
+            f"{tokens} computed: {whose.replica(page.replica)} holds them, and the router sent this request elsewhere"
+        )
+    elif cause is Cause.CACHING_OFF:
+        line = f"{tokens} computed: prefix caching is off on this engine"
+    elif cause is Cause.NOT_ADMITTED:
+        line = f"{tokens}: not looked up yet"
+    else:
+        line = (
+            f"{tokens}: cannot tell ({UNKNOWN_WORDS.get(segment.unknown, 'unknown') if segment.unknown else 'unknown'})"
+        )
+    if segment.stranded_behind is not None and cause is not Cause.CACHED:
+        line += f"; these pages were still cached, but token {segment.stranded_behind + 1} missed first"
+    return line
+
+
+def _stored(page: PageLife, whose: Whose) -> str:
+    by = whose.request(page.request)
+    if page.same_step:
+        return f"computed in the same step by {by}"
+    return f"stored by {by}" + (f" at step {page.stored_step}" if page.stored_step is not None else "")
+
+
+def _ended(page: PageLife, whose: Whose) -> str:
+    stored = f"stored by {whose.request(page.request)}" + (
+        f" at step {page.stored_step}" if page.stored_step is not None else ""
+    )
+    if page.cleared:
+        return f"{stored}, dropped by Clear cache at step {page.ended_step}"
+    ranked = f" (the next to go of {page.evictable} cached pages)" if page.evictable else ""
+    return f"{stored}, evicted at step {page.ended_step} to make room for {whose.request(page.evicted_for)}{ranked}"
+
+
+def summary(explanation: Explanation, skip: Collection[Cause] = ()) -> str:
+    """A badge's line: "48 cached · 13 new · 16 evicted at step 41 · 7 partial page · 1 last token" (without the
+    causes in ``skip``)."""
+    parts = []
+    for cause, (words, _) in CAUSES.items():
+        count = explanation.counts.get(cause, 0)
+        if not count or cause is Cause.NOT_ADMITTED or cause in skip:
+            continue
+        when = ""
+        if cause is Cause.EVICTED:
+            steps = sorted(
+                {s.page.ended_step for s in explanation.segments if s.cause is cause and s.page and s.page.ended_step}
+            )
+            when = f" at step {', '.join(map(str, steps[:3]))}" if steps else ""
+        parts.append(f"{count} {words}{when}")
+    if explanation.recomputed_tokens:
+        parts.append(f"{explanation.recomputed_tokens} recomputed after preemption (counted apart)")
+    return " · ".join(parts)
+
+
+def columns(explanation: Explanation | None) -> list[int | None]:
+    """The request table's cause columns (``TABLE_CAUSES``), then the recomputed tokens counted apart."""
+    if explanation is None:
+        return [None] * (len(TABLE_CAUSES) + 1)
+    return [explanation.counts.get(c, 0) for c in TABLE_CAUSES] + [explanation.recomputed_tokens]
+
+
+def token_html(
+    explanation: Explanation,
+    prompt_ids: Sequence[int],
+    shown: Callable[[Sequence[int]], str],
+    whose: Whose,
+    max_tokens: int,
+) -> str:
+    """The prompt's tokens coloured by cause, each run of one cause a span whose hover text (``title``) says why;
+    a legend with the counts first. Capped at ``max_tokens`` tokens for the page's sake (the legend counts all).
+    Each span carries ``data-cause`` and ``data-tokens``, which tests and scripts read."""
+    legend = " ".join(
+        f'<span style="background:{color};padding:0 4px;border-radius:3px">{words} {explanation.counts[cause]}</span>'
+        for cause, (words, color) in CAUSES.items()
+        if explanation.counts.get(cause)
+    )
+    spans = []
+    for segment in explanation.segments:
+        end = min(segment.end, max_tokens)
+        if segment.start >= end:
+            break
+        words, color = CAUSES[segment.cause]
+        text = html.escape(shown(prompt_ids[segment.start : end]).replace("\n", "⏎"), quote=False)
+        title = html.escape(hover(segment, whose), quote=True)
+        spans.append(
+            f'<span data-cause="{segment.cause.value}" data-tokens="{end - segment.start}" title="{title}" '
+            f'style="background:{color};white-space:pre-wrap;border-bottom:1px solid #9ca3af">{text}</span>'
+        )
+    more = (
+        f" <i>(first {max_tokens} of {explanation.prompt_tokens} tokens)</i>"
+        if explanation.prompt_tokens > max_tokens
+        else ""
+    )
+    note = "" if explanation.namespaces_known else f"<br><small>{NO_SALTS}</small>"
+    return (
+        f'<div class="causes"><div>{legend}</div><div style="line-height:1.7">{"".join(spans)}{more}</div>{note}</div>'
+    )
