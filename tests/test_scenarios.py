@@ -79,6 +79,33 @@ def test_caching_off_computes_every_prompt_token_and_on_computes_fewer(engine):
 def test_every_lesson_step_loads_a_scenario_and_names_a_view():
     from astrai.playground.scenarios import LESSON
 
-    assert len(LESSON) == 7 and all(step.scenario in SCENARIO_BY_NAME for step in LESSON)
+    assert len(LESSON) == 8 and all(step.scenario in SCENARIO_BY_NAME for step in LESSON)
     ui = (Path(__file__).parents[1] / "astrai" / "playground" / "ui" / "layout.py").read_text()
     assert all(f'elem_id="{step.look_at}"' in ui for step in LESSON)
+
+
+def test_why_did_it_miss_shows_what_its_lesson_step_says():
+    """Lesson step 8's text, cause by cause, on the scenario's own engine settings and a cold namespace."""
+    from astrai.explain import Cause
+    from astrai.playground.scenarios import LESSON, WHY
+
+    assert LESSON[7].scenario == WHY.name
+    s = WHY.profile.settings
+    with InferenceEngine.from_pretrained(
+        EMBEDDED_MODEL, page_size=s.page_size, n_pages=s.n_pages, max_batch_size=s.max_batch_size, compile=False
+    ) as engine:
+        stream = engine.generate(WHY.prompts, max_tokens=WHY.max_tokens, stream=True, cache_salt="a cold namespace")
+        list(stream)
+        whys = engine.explain(stream.request_ids)
+    size = s.page_size
+    first, second, third, fourth = ([(seg.cause, seg.start, seg.end) for seg in w.segments] for w in whys)
+    assert whys[0].counts[Cause.CACHED] == 0 and whys[0].counts[Cause.NEW] > 0, first  # panel 1: new
+    assert first[-1][0] is Cause.LAST_TOKEN
+    assert second[0] == (Cause.DIVERGED, 0, size) and whys[1].segments[0].divergence.at == 1, second  # after ⟨s⟩
+    assert second[1][0] is Cause.NEW, second
+    assert third[0][:2] == (Cause.CACHED, 0) and third[0][2] % size == 0 and third[1][0] is Cause.EVICTED, third
+    assert whys[2].segments[1].page.evicted_for == stream.request_ids[1], "evicted for panel 2's answer"
+    assert fourth[:2] == [(Cause.CACHED, 0, size), (Cause.DIVERGED, size, 2 * size)], fourth
+    for why in whys:  # whatever follows the last full page is a partial page, and the last token is computed
+        assert why.segments[-1].cause is Cause.LAST_TOKEN and why.segments[-1].end == why.prompt_tokens
+        assert why.counts[Cause.PARTIAL_PAGE] == max(0, why.prompt_tokens - 1 - why.prompt_tokens // size * size)

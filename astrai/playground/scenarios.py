@@ -6,7 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from astrai.playground.backends.profiles import DEFAULT_PROFILE, SMALL_POOL_PROFILE, Profile, without_caching
+from astrai.playground.backends.profiles import (
+    DEFAULT_PROFILE,
+    ONE_AT_A_TIME_PROFILE,
+    SMALL_POOL_PROFILE,
+    Profile,
+    without_caching,
+)
 from astrai.playground.views import sizing
 
 Namespace = Literal["shared", "mine", "fresh"]
@@ -109,6 +115,28 @@ SCENARIOS = [
         namespace="mine",
     ),
 ]
+# Why did it miss? One run whose panels' prompt tokens miss for different reasons: on an engine that runs one request
+# at a time in 9 pages, each panel finds the cache as the panels before it left it (tests/test_scenarios.py runs it).
+FISHERMAN = (
+    "Once upon a time, in a small village by the sea, there lived a kind old fisherman named Tom. "
+    "Every morning he took his little boat out on the water. "
+)
+WHY = Scenario(
+    name="Why did it miss?",
+    explanation="An engine that runs one request at a time in a pool of 9 pages, each run in a cold cache of its own: "
+    "panel 1 computes its story, panel 2 an unrelated one, panel 3 asks for panel 1's story and more, panel 4 a "
+    "variant of it. Open 'Prompt tokens' and hover each coloured run of tokens for why it was cached or computed.",
+    prompts=[
+        FISHERMAN + "One day, he found a shiny shell on the sand.",
+        "Lily and Ben went to the park to play with their new ball. They ran and jumped and laughed all day, "
+        "and when the sun went down they walked home together, tired and happy.",
+        FISHERMAN + "One day, he found a shiny shell on the sand. He showed it to his friend",
+        FISHERMAN.replace("little boat", "big red boat") + "One day, a storm came.",
+    ],
+    max_tokens=64,
+    profile=ONE_AT_A_TIME_PROFILE,
+    namespace="fresh",
+)
 # A fleet behind two routers (round_robin and a prefix-aware policy) gets one more scenario and lesson step. Each
 # tenant's system prompt is long (several full blocks of vLLM's 32 tokens) and its own, so where its requests land
 # decides whether the system prompt is computed once or once per replica.
@@ -136,6 +164,7 @@ TENANTS = Scenario(
     max_tokens=16,
 )
 ROUTING_WAVES = (" What is there to see?", " Who lives there?", " What happens at night?")
+SCENARIOS.append(WHY)
 SCENARIO_BY_NAME = {s.name: s for s in (*SCENARIOS, TENANTS)}
 
 
@@ -209,6 +238,17 @@ LESSON = [
         "model the times to first token differ little: prefill is cheap next to each step's fixed cost.",
     ),
     LessonStep("7. How big should the cache be?", "Eviction pressure (small pool)", "sizing", sizing_claim()),
+    LessonStep(
+        "8. Why did it miss?",
+        WHY.name,
+        "tokens_accordion",
+        "Press Run and open 'Prompt tokens'. Panel 1's tokens are new. Panel 2's first page diverges from panel "
+        "1's after its first token (every prompt starts with ⟨s⟩), the rest is new. Panel 3 repeats panel 1's prompt: "
+        "its first pages are still cached, but the page after them was evicted to make room for panel 2's answer "
+        "(red; hover for the step). Panel 4 shares panel 1's first page and diverges in its second. Whatever follows a "
+        "prompt's last full page is computed (a partial page), and so is its last token, always. In a busy class "
+        "other visitors share this 9-page pool: more may read evicted.",
+    ),
 ]
 
 
@@ -218,7 +258,7 @@ LESSON_PROFILES = (
     without_caching(DEFAULT_PROFILE),
 )
 ROUTING_STEP = LessonStep(
-    "8. Routing decides what is reused",
+    "9. Routing decides what is reused",
     TENANTS.name,
     "routing",
     "Press Compare routing. The tenants' waves go once through the round-robin router and once through the "

@@ -101,6 +101,10 @@ class Profile:
 
 DEFAULT_PROFILE = Profile()
 SMALL_POOL_PROFILE = Profile(settings=EngineSettings(page_size=16, n_pages=40, max_batch_size=8), name="small pool")
+# One request at a time in 9 pages: each panel of "Why did it miss?" finds the cache as the panels before it left it
+ONE_AT_A_TIME_PROFILE = Profile(
+    settings=EngineSettings(page_size=16, n_pages=9, max_batch_size=1), name="one at a time, 9 pages"
+)
 
 
 def without_caching(profile: Profile) -> Profile:

@@ -8,7 +8,7 @@ import gradio as gr
 
 from astrai.playground.callbacks.context import QUIET, Context, Update, panel_label, session_of
 from astrai.playground.callbacks.live import LiveCursor
-from astrai.playground.callbacks.run import follow
+from astrai.playground.callbacks.run import eviction_notes, follow
 from astrai.playground.state import Playback, Visitor
 from astrai.playground.ui.components import fixed
 from astrai.playground.views import charts, fleet, pages, replay, text, tree
@@ -125,9 +125,10 @@ class ReplayCallbacks:
             page_map = charts.page_map(
                 page_views, panel_label, title=f"Page map after step {step}", no_rank=replay.no_rank(recording)
             )
+        notes = eviction_notes(self.ctx, backend, recording, session)
         update: Update = {
             controls.step: frame,  # a plain value: the maximum was set when the run ended
-            controls.note: f"**Replay** · {replay.narrate(recording, frame)}",
+            controls.note: f"**Replay** · {replay.narrate(recording, frame, notes)}",
             cache.page_map: page_map,
             cache.occupancy: charts.occupancy_chart(data),
             cache.lru: charts.lru_chart(data),

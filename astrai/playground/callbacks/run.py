@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import gradio as gr
@@ -195,7 +195,7 @@ class RunCallbacks:
         own = set(self.ctx.visitors.requests_of(session))
         whys = self._explain(backend, shown, own)
         update: Update = {
-            badge: text.badge(infos[i] if i < len(infos) else None, shown.caching, whys[i])
+            badge: text.badge(infos[i], shown.caching, whys[i]) if i < len(infos) else ""
             for i, badge in enumerate(panels.badges)
         }
         if backend is not None and backend.replicas:  # a fleet: each badge names the replica that served it
@@ -242,7 +242,9 @@ class RunCallbacks:
         update[controls.step] = (
             gr.Slider(maximum=max(frames, 1), value=frames) if visitor.following else gr.Slider(maximum=max(frames, 1))
         )
-        note = replay.narrate(recording, frames) if recording else ""
+        backend = ctx.engines.backend(visitor.shown.profile) if visitor.shown else None
+        notes = eviction_notes(ctx, backend, recording, session_of(request)) if recording and backend else None
+        note = replay.narrate(recording, frames, notes) if recording else ""
         if frames > 1:
             note = f"{note}  \n**Replay ▶ ¼×** plays your run's {frames} steps slowly, one at a time."
         slow = gr.Button(variant="primary" if frames > 1 else "secondary")
@@ -328,6 +330,18 @@ class RunCallbacks:
             turns |= {f"prompt_{i + 1}": prompt, f"output_{i + 1}": output}
         inputs, fn = by_name(turns, self.follow_up)
         buttons.follow_up.click(fn, inputs, list(panels.prompts), api_visibility="private", **QUIET)
+
+
+def eviction_notes(
+    ctx: Context, backend: Backend, recording: replay.Recording, session: str
+) -> Callable[[int], list[str]]:
+    """What to say of an engine step of this recording: the evictions in it that cost a panel of the run tokens, and
+    at a panel's admission, the evictions that did (``causes.eviction_notes``)."""
+    own = set(ctx.visitors.requests_of(session))
+    shown = ShownRun(recording.request_ids, (), ctx.visitors.peek(session).profile)
+    whys = RunCallbacks._explain(backend, shown, own)
+    whose = causes.Whose({rid: i for i, rid in enumerate(recording.request_ids)}, own)
+    return lambda step: causes.eviction_notes(step, whys, whose)
 
 
 ENDED = ("finished", "cancelled", "failed")

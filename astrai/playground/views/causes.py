@@ -144,6 +144,30 @@ def summary(explanation: Explanation, skip: Collection[Cause] = ()) -> str:
     return " · ".join(parts)
 
 
+def eviction_notes(step: int, whys: Sequence[Explanation | None], whose: Whose) -> list[str]:
+    """What an engine step did that a panel of the run later paid for: an eviction in ``step`` that cost a panel
+    tokens ("a page evicted here for panel 2 → panel 1 recomputes 16 tokens at step 52"), and at a panel's admission
+    in ``step``, the evictions and clears that cost it ("panel 1 recomputes 16 tokens: evicted at step 41 for
+    another session")."""
+    notes = []
+    for why in whys:
+        if why is None:
+            continue
+        panel = whose.request(why.request).replace(" of this run", "")
+        for segment in why.segments:
+            page = segment.page
+            if segment.cause not in (Cause.EVICTED, Cause.CLEARED) or page is None or page.ended_step is None:
+                continue
+            size = segment.end - segment.start
+            if page.ended_step == step and why.admitted_step != step:
+                how = "cleared" if page.cleared else f"evicted for {whose.request(page.evicted_for)}"
+                notes.append(f"a page {how} here → {panel} recomputes {size} tokens at step {why.admitted_step}")
+            elif why.admitted_step == step:
+                how = "Clear cache" if page.cleared else f"evicted for {whose.request(page.evicted_for)}"
+                notes.append(f"{panel} recomputes {size} tokens: {how} at step {page.ended_step}")
+    return notes
+
+
 def columns(explanation: Explanation | None) -> list[int | None]:
     """The request table's cause columns (``TABLE_CAUSES``), then the recomputed tokens counted apart."""
     if explanation is None:

@@ -125,10 +125,11 @@ def texts_at(recording: Recording, index: int, decode: Callable[[list[int]], str
     return [decode(tokens) for tokens in tokens_at(recording, index)]
 
 
-def narrate(recording: Recording, frame: int) -> str:
+def narrate(recording: Recording, frame: int, notes: Callable[[int], Sequence[str]] | None = None) -> str:
     """One line on what the run's ``frame``-th step did for its panels, e.g. "step 3 of 12 of your run (engine step
     267): panel 3 admitted, 3 cached pages hit, 1 page allocated", and what other visitors' steps did since the frame
-    before (they share the pool: an eviction there can cost this run a hit)."""
+    before (they share the pool: an eviction there can cost this run a hit). ``notes``: more to say of an engine step
+    (``causes.eviction_notes``: an eviction that cost a panel tokens)."""
     frames = recording.frames
     if frame <= 0 or not frames:
         return f"before your run (engine step {recording.base.step})"
@@ -163,12 +164,16 @@ def narrate(recording: Recording, frame: int) -> str:
     who = f"panels {', '.join(map(str, mine))}" if len(mine) > 1 else f"panel {mine[0]}" if mine else "your run ended"
     line = f"step {frame} of {len(frames)} of your run (engine step {sample.step}): {who}; {computed}"
     line += "; " + ", ".join(parts) if parts else ""
+    if notes is not None and (said := notes(sample.step)):
+        line += " · " + "; ".join(said)
     others = recording.samples[(frames[frame - 2] if frame > 1 else 0) : index - 1]
     if others:
         evicted = sum(s.evictions or 0 for s in others)
         line += f" · before it, {_count(len(others), 'step')} of other sessions" + (
             f" ({_count(evicted, 'eviction')})" if evicted else ""
         )
+        if notes is not None and (said := [n for s in others for n in notes(s.step)]):
+            line += ": " + "; ".join(said)
     return line
 
 
