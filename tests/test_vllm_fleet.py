@@ -457,3 +457,38 @@ def test_a_replica_killed_mid_run_fails_its_panels_and_the_fleet_recovers_withou
         return named_replica(fclient.predict(api_name="/after_run")[0]) == "replica 2"
 
     assert wait_until(lands_on_replica_2, timeout=60, interval=1.0), "the router sends runs to it again"
+
+
+@pytest.mark.fleet
+def test_a_prompt_cached_on_the_other_replica_reads_so(fleet_info):
+    """Issue 36's routing point, per token: through the round-robin router the same prompt goes to the replicas in
+    turn, so the second request finds its pages on the replica it did not go to: "another replica" (which holds it)."""
+    from astrai.explain import Cause
+    from astrai.playground.backends.vllm.backend import ReplicaSpec, VllmBackend
+    from astrai.sampling import SamplingParams
+
+    args = fleet_info["args"]
+    events = [args[i + 1] for i, a in enumerate(args) if a == "--kv-events"]
+    replays = [args[i + 1] for i, a in enumerate(args) if a == "--kv-replay"]
+    routers = [args[i + 1] for i, a in enumerate(args) if a == "--router-url"]
+    specs = [ReplicaSpec(*spec) for spec in zip(fleet_info["replicas"], events, replays, strict=True)]
+    round_robin = next(r for r in routers if r.startswith("round_robin="))
+    backend = VllmBackend.fleet(specs, [RouterSpec.parse(round_robin)], sample_every_s=0.2)
+    try:
+        prompt = f"Two replicas {time.time()}. {STORY}{STORY}The bird"  # several full blocks of its own
+        ids = []
+        for _ in range(2):  # one after the other: round robin sends them to different replicas
+            run = backend.submit([prompt], SamplingParams(max_tokens=4), salt=None)
+            list(run)
+            ids += run.request_ids
+            assert wait_until(lambda run=run: run.request_ids[0] in backend.served_by(run.request_ids), timeout=10)
+        served = backend.served_by(ids)
+        assert served[ids[0]].replica != served[ids[1]].replica, "round robin alternated"
+        time.sleep(1.0)  # the events of both reach the samplers
+        second = backend.explain([ids[1]], lambda request: True)[0]
+        assert second.counts[Cause.OTHER_REPLICA] > 0, second.counts
+        holder = next(s.page for s in second.segments if s.cause is Cause.OTHER_REPLICA)
+        assert holder is not None and holder.replica != second.replica
+        assert sum(second.counts.values()) == second.prompt_tokens
+    finally:
+        backend.shutdown()
