@@ -189,6 +189,7 @@ class InferenceEngine:
         self._ended: OrderedDict[int, Request] = OrderedDict()  # the last ``keep_finished`` ended requests
         self._keep_finished = keep_finished
         self._ended_counts: Counter[str] = Counter()
+        self._end_unrecorded = False  # a request ended since the last step was recorded
         self._closed = False
         self._loop_error: BaseException | None = None
         self._release_pool()  # this thread prepared the model; its idle OpenMP workers would slow the loop's
@@ -535,7 +536,9 @@ class InferenceEngine:
                 work = self.scheduler.schedule()
             if not work:
                 with self._lock:
-                    if self.pool.touched:  # a cancel or clear() changed pages between steps: a step records it
+                    # a cancel or clear() changed pages between steps, or a request ended (one cancelled while it
+                    # waited gave back no page): a step records it, the step its ``ended_step`` names
+                    if self.pool.touched or self._end_unrecorded:
                         self._record_step([], 0, before, started, [])
                     else:
                         self._work_arrived.wait(0.01)
@@ -609,6 +612,7 @@ class InferenceEngine:
         cancel, a ``clear()``) are recorded with the next step.
         """
         self.steps += 1
+        self._end_unrecorded = False
         evictions, preemptions, hits, queries = (now - then for now, then in zip(self._counters(), before, strict=True))
         sample_ = StepSample(
             step=self.steps,
@@ -649,6 +653,7 @@ class InferenceEngine:
         req.status = status
         req.finished_at = time.monotonic()
         req.ended_step = self.steps + 1  # the step in progress (or, between steps, the next): its sample records it
+        self._end_unrecorded = True
         self._outputs.pop(req.id, None)
         self._live.pop(req.id, None)
         self._ended[req.id] = req

@@ -83,7 +83,6 @@ class SetupCallbacks:
         progress: gr.Progress = gr.Progress(),  # noqa: B008 - gradio injects it
     ) -> Update:
         """The visitor's own engine: a profile of these settings (shared with visitors who chose the same)."""
-        status = self.ui.setup.engine.status
         try:
             settings = EngineSettings(
                 page_size=int(values["page_size"]),
@@ -101,7 +100,7 @@ class SetupCallbacks:
             raise gr.Error(f"Model {model!r} is not offered on this Space.")
         wanted = Profile(model, settings, name=CUSTOM_NAME, custom=True)
         profile = self.known.get(wanted, wanted)  # a scenario's settings: that scenario's engine
-        return self._move(session_of(request), profile, progress) | {status: self._status(profile)}
+        return self._move(session_of(request), profile, progress)  # its status says where the visitor is now
 
     def _move(self, session: str, profile: Profile, progress: gr.Progress) -> Update:
         """Put the visitor on ``profile``'s engine (building it when needed); show its settings."""
