@@ -492,3 +492,55 @@ def test_a_prompt_cached_on_the_other_replica_reads_so(fleet_info):
         assert sum(second.counts.values()) == second.prompt_tokens
     finally:
         backend.shutdown()
+
+
+def test_the_fleet_live_view_draws_the_replicas_hit_rates_on_a_fresh_page_and_once_settled():
+    """Defect: the per-replica hit-rate chart was redrawn only every third tick and never after two quiet ticks, so
+    a page opened on an idle fleet showed it empty (the replicas reported 224 hits of 466 queries), and a line
+    ended at 42.7% while the replica's /metrics said 49.8%."""
+    import gradio as gr
+
+    from astrai.observation import StepSample
+    from astrai.playground.backends.profiles import DEFAULT_PROFILE
+    from astrai.playground.backends.protocol import SingleServer
+    from astrai.playground.callbacks.context import Context
+    from astrai.playground.callbacks.live import LiveCallbacks
+    from astrai.playground.callbacks.pacing import StreamingRuns
+    from astrai.playground.callbacks.run import RunCallbacks
+    from astrai.playground.scenarios import Lesson
+    from astrai.playground.state import Visitors
+    from astrai.playground.ui.layout import build_layout
+    from tests.support.playground import request
+
+    def replica(i: int, hits: int, queries: int) -> Any:
+        sample = StepSample(1, time.time() - 5, 0.1, 90, 2, 8, None, None, hits, queries, 0, 0, (), (), ())
+        return type("Replica", (), {
+            "name": f"replica {i}", "label": f"replica {i} (h:{i})", "url": f"http://h:{i}", "unreachable": None,
+            "caveat": None, "stats": lambda self: stats(n_pages=100, used_pages=2, cached_pages=8, free_pages=90,
+                                                          hit_tokens=hits, query_tokens=queries,
+                                                          hit_rate=hits / queries, steps=1),
+            "snapshot": lambda self: CacheSnapshot(1, ()), "history": lambda self, after: [sample],
+        })()  # fmt: skip
+
+    replicas = (replica(1, 224, 450), replica(2, 0, 16))
+    backend: Any = type("Fleet", (), {
+        "derived": frozenset(), "label": "fleet", "generation": 1, "caveat": None, "replicas": replicas, "routers": (),
+        "stats": lambda self: fleet.merge_stats([r.stats() for r in replicas]), "events": lambda self, after: [],
+        "snapshot": lambda self: CacheSnapshot(1, ()), "decode": lambda self, ids: "",
+        "special_ids": lambda self: set(), "history": lambda self, after: [],
+    })()  # fmt: skip
+    engines = SingleServer(backend, DEFAULT_PROFILE)
+    lesson = Lesson.for_deployment(0)
+    with gr.Blocks():
+        ui = build_layout(DEFAULT_PROFILE, ["fleet"], False, lesson)
+    ctx = Context(engines, Visitors(DEFAULT_PROFILE), ui, StreamingRuns(), lesson)
+    live = LiveCallbacks(ctx, RunCallbacks(ctx))
+    fresh = live.refresh(None, request("late"))
+    assert ui.cache.hit_rate in fresh, "a page opened on an idle fleet draws the replicas' hit rates at once"
+    lines = {t.name: t.y for t in fresh[ui.cache.hit_rate].data}
+    assert lines["replica 1"][-1] == pytest.approx(100 * 224 / 450), "the line ends where the replica's counter is"
+    cursor = fresh[ui.cache.cursor]
+    quiet = live.refresh(cursor, request("late"))  # nothing moved: the settling tick redraws everything once
+    assert ui.cache.hit_rate in quiet and ui.cache.lru in quiet and ui.cache.prefix_tree in quiet
+    after = live.refresh(quiet[ui.cache.cursor], request("late"))
+    assert ui.cache.hit_rate not in after, "settled: nothing is redrawn again"
