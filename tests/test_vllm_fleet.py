@@ -544,3 +544,69 @@ def test_the_fleet_live_view_draws_the_replicas_hit_rates_on_a_fresh_page_and_on
     assert ui.cache.hit_rate in quiet and ui.cache.lru in quiet and ui.cache.prefix_tree in quiet
     after = live.refresh(quiet[ui.cache.cursor], request("late"))
     assert ui.cache.hit_rate not in after, "settled: nothing is redrawn again"
+
+
+def test_after_compare_routing_the_badges_describe_the_answers_shown():
+    """Defect: after Compare routing the panels showed the comparison's last answers, while their badges, token
+    colouring and table still described the visitor's previous Run."""
+    import itertools
+
+    import gradio as gr
+
+    from astrai.observation import RequestInfo
+    from astrai.playground.backends.profiles import DEFAULT_PROFILE
+    from astrai.playground.backends.protocol import SingleServer
+    from astrai.playground.callbacks.context import Context
+    from astrai.playground.callbacks.pacing import StreamingRuns
+    from astrai.playground.callbacks.routing import RoutingCallbacks
+    from astrai.playground.callbacks.run import RunCallbacks
+    from astrai.playground.scenarios import ROUTING_WAVES, TENANTS, Lesson
+    from astrai.playground.state import ShownRun, Visitors
+    from astrai.playground.ui.layout import build_layout
+    from tests.support.playground import no_progress, request
+
+    ids = itertools.count(100)
+    prompts: dict[int, str] = {}
+
+    class FakeRun:
+        def __init__(self, text: str):
+            self.request_ids = [next(ids)]
+            prompts[self.request_ids[0]] = text
+
+        def __iter__(self):
+            yield 0, "an answer"
+
+        def close(self) -> None:
+            pass
+
+    def info(rid: int) -> RequestInfo:
+        return RequestInfo(rid, "finished", len(prompts[rid]), 0, 1, 0, (), (), 0.1, 10.0, None)
+
+    routers = tuple(type("R", (), {"policy": p, "url": f"http://r/{p}"})() for p in ("round_robin", "cache_aware"))
+    replicas = tuple(type("Replica", (), {"name": f"replica {i}"})() for i in (1, 2))
+    backend: Any = type("Fleet", (), {
+        "replicas": replicas, "label": "fleet", "derived": frozenset(), "caveat": None, "generation": 1,
+        "routers": routers,
+        "format_prompt": lambda self, prefix, prompt: prefix + prompt,
+        "submit": lambda self, texts, params, salt, router=None: FakeRun(texts[0]),
+        "request_info": lambda self, rids: [info(r) for r in rids if r in prompts],
+        "served_by": lambda self, rids: {r: Served("replica 1 (h:1)", "its KV events") for r in rids},
+        "explain": lambda self, rids, owns: [], "stats": lambda self: stats(page_size=32),
+        "decode": lambda self, token_ids: "", "special_ids": lambda self: set(),
+    })()  # fmt: skip
+    lesson = Lesson.for_deployment(2)
+    with gr.Blocks():
+        ui = build_layout(DEFAULT_PROFILE, ["fleet"], False, lesson)
+    ctx = Context(SingleServer(backend, DEFAULT_PROFILE), Visitors(DEFAULT_PROFILE), ui, StreamingRuns(), lesson)
+    runs = RunCallbacks(ctx)
+    ctx.visitors.act("tenant").shown = ShownRun((1, 2), ("an earlier run", "of two panels"), DEFAULT_PROFILE)
+    values = {name: component.value for name, component in ui.run_fields().items()}
+    values |= {"n_panels": 3, "shared_prefix": "", "max_tokens": 4, "cache_namespace": "shared"}
+    values |= {f"prompt_{i + 1}": p for i, p in enumerate(TENANTS.prompts)}
+    update = RoutingCallbacks(ctx, runs).compare_routing(values, request("tenant"), no_progress)
+    shown = ctx.visitors.peek("tenant").shown
+    assert shown is not None and len(shown.request_ids) == 3
+    assert [prompts[r] for r in shown.request_ids] == [p + ROUTING_WAVES[-1] for p in TENANTS.prompts]
+    for i, badge in enumerate(ui.panels.badges[:3]):
+        assert f"**{len(TENANTS.prompts[i] + ROUTING_WAVES[-1])}** prompt tokens" in update[badge], update[badge]
+    assert len(update[ui.cache.table]) == 3
