@@ -610,3 +610,23 @@ def test_after_compare_routing_the_badges_describe_the_answers_shown():
     for i, badge in enumerate(ui.panels.badges[:3]):
         assert f"**{len(TENANTS.prompts[i] + ROUTING_WAVES[-1])}** prompt tokens" in update[badge], update[badge]
     assert len(update[ui.cache.table]) == 3
+
+
+def test_a_panel_whose_replica_died_mid_stream_does_not_blame_the_router():
+    """Defect: a panel whose replica died said "cannot reach vLLM's router", though the router was up and served
+    the others. A stream that had started and then broke says so, and through a router it does not mark the router
+    unavailable (``where`` then names the replica that went away)."""
+    from types import SimpleNamespace
+
+    import openai
+
+    from astrai.playground.backends.vllm.run import VllmRun
+
+    broke = openai.APIConnectionError(request=httpx.Request("POST", "http://r/v1/completions"))
+    routed = SimpleNamespace(_peer="vLLM's router at http://r", _routed=True)
+    message, unavailable = VllmRun._describe(routed, broke, True)
+    assert "broke mid-stream" in message and "cannot reach" not in message and not unavailable
+    refused, unavailable = VllmRun._describe(routed, broke, False)
+    assert "cannot reach vLLM's router" in refused and unavailable
+    one = SimpleNamespace(_peer="the vLLM server at http://s", _routed=False)
+    assert VllmRun._describe(one, broke, True)[1], "one server whose stream broke is unavailable"
