@@ -22,7 +22,8 @@ def test_the_lesson_step_says_what_a_fresh_replay_of_the_trace_gives():
     curves = sizing.load()[0]
     at = curves.nearest(5859)
     claim = sizing_claim()
-    assert LESSON[-1].text == claim and f"{at:,} blocks" in claim
+    step = next(step for step in LESSON if step.look_at == "sizing")
+    assert step.text == claim and f"{at:,} blocks" in claim
     prepared = Replay(read_trace("assets/traces/conversation_trace.jsonl"))
     fresh = {policy: prepared.run(policy, at).hit_rate for policy in ("lru", "arc", "belady")}
     ceiling = prepared.run("lru", None).hit_rate

@@ -43,6 +43,7 @@ from astrai.playground.callbacks.context import Update
 from astrai.playground.scenarios import SCENARIO_BY_NAME, SCENARIOS
 from astrai.playground.state import Visitors
 from astrai.playground.views import replay, text, tree
+from astrai.playground.views.causes import TABLE_CAUSES
 from tests.support.playground import Playground, no_progress, playground, request
 
 VISITORS = ("ann", "ben", "cy")
@@ -314,15 +315,19 @@ class VisitorActions(RuleBasedStateMachine):
             cached = re.search(r"\*\*(\d+)\*\* cached", badge)
             if cached:
                 assert int(cached.group(1)) == info.cached_tokens <= info.prompt_tokens - 1, (badge, info)
-            highlights = update[panels.highlights[i]]
-            if highlights is not None:  # every prompt token is cached or computed, the cached ones first
-                labels = [label for _, label in highlights]
-                assert len(labels) == min(info.prompt_tokens, text.MAX_HIGHLIGHT_TOKENS)
-                cached_n = min(info.cached_tokens or 0, len(labels)) if shown.caching else 0
+            runs = re.findall(r'data-cause="(\w+)" data-tokens="(\d+)"', update[panels.highlights[i]] or "")
+            if info.cached_tokens is not None and runs:  # every prompt token has one cause, the cached ones first
+                labels = [cause for cause, n in runs for _ in range(int(n))]
+                assert len(labels) == min(info.prompt_tokens, text.MAX_HIGHLIGHT_TOKENS), runs
+                cached_n = min(info.cached_tokens, len(labels)) if shown.caching else 0
                 assert labels[:cached_n] == ["cached"] * cached_n and "cached" not in labels[cached_n:], labels
+            elif info.cached_tokens is None:
+                assert not runs, "a request not looked up yet has no causes to show"
         for row in update.get(self.ui.cache.table, []):  # none when the run's engine was retired
             prompt, cached = row[3], row[4]
             assert cached == "off" or cached is None or 0 <= cached < prompt, row
+            by_cause = [n for n in row[4 : 4 + len(TABLE_CAUSES)] if isinstance(n, int)]
+            assert cached is None or sum(by_cause) == prompt or not by_cause[1:], ("the causes add up", row)
         if visitor is not None and visitor.with_cache is not None:
             on = visitor.with_cache
             served = on.prompt_tokens - on.computed_tokens + (on.recomputed_tokens or 0)

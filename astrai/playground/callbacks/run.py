@@ -115,9 +115,15 @@ class RunCallbacks:
                 "Your engine has prefix caching off already: pick a scenario, or turn it on in Engine "
                 "settings, to compare."
             )
+        off = self.ctx.engines.without_caching(profile) or profile
+        if off != profile:  # built before the first half streams, so a comparison never stops halfway
+            try:
+                self.ctx.engines.ensure(off)
+            except BackendError as exc:  # past an operator's bound: the second half in namespaces of its own
+                gr.Warning(f"{exc} The caching-off half runs on your engine, each prompt in a namespace of its own.")
+                off = profile
         yield from self._stream(batch, session, profile, caching=True)
-        off = self.ctx.engines.without_caching(profile)
-        yield from self._stream(batch, session, off or profile, caching=False)
+        yield from self._stream(batch, session, off, caching=False)
 
     def _stream(self, batch: Batch, session: str, profile: Profile, caching: bool) -> Iterator[Update]:
         """Stream the panels' text, and nothing else.

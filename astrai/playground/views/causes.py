@@ -29,7 +29,7 @@ CAUSES: dict[Cause, tuple[str, str]] = {
     Cause.NOT_ADMITTED: ("not looked up yet", "#f3f4f6"),
     Cause.UNKNOWN: ("unknown", "#cbd5e1"),
 }
-TABLE_CAUSES = [c for c in CAUSES if c not in (Cause.NOT_ADMITTED,)]  # the request table's columns, in order
+TABLE_CAUSES = list(CAUSES)  # the request table's columns, in order: they add up to the prompt
 NO_SALTS = (
     "A vLLM server sends no salts: whether these tokens were cached under another namespace cannot be known here."
 )
