@@ -239,7 +239,13 @@ def _highlights() -> tuple[gr.HTML, ...]:
     )
     with accordion, gr.Row(equal_height=False):
         return tuple(
-            gr.HTML(label=f"Panel {i + 1} prompt tokens", show_label=True, elem_id=f"tokens_{i}", min_height=0)
+            gr.HTML(
+                label=f"Panel {i + 1} prompt tokens",
+                show_label=True,
+                container=True,
+                elem_id=f"tokens_{i}",
+                min_height=0,
+            )
             for i in range(MAX_PANELS)
         )
 
