@@ -105,3 +105,26 @@ def test_recorded_vllm_evictions_explain_every_prompt_token_once():
         assert cached.page.request == x.request - len(second)
     for x in explanations:
         assert [s.cause for s in x.segments[1:]] == [Cause.PARTIAL_PAGE, Cause.LAST_TOKEN]
+
+
+def test_a_request_is_judged_by_the_blocks_the_subscriber_holds_when_it_is_sent():
+    """Defect (the fleet's "another replica" check on a real fleet): a request sent right after a run ended was
+    judged as of the last sample, taken before that run's blocks reached the events (they are in the subscriber at
+    once, in a sample only at the next tick), so the pages it could have hit read as new. Sending records them."""
+    from astrai.playground.backends.vllm.backend import VllmBackend
+    from tests.support import fake_vllm
+    from tests.support.fake_kv import StubSubscriber
+
+    with fake_vllm.serve() as (url, _):
+        stub = StubSubscriber()
+        backend = VllmBackend(url, subscriber=stub, sample_every_s=3600)  # no tick but the first, at the start
+        try:
+            assert backend.events(0) == []
+            for seq, batch in list(recorded_batches("kv_events_evict"))[:2]:  # a run's blocks reach the subscriber
+                stub.tracker.apply(seq, batch)
+            backend._keys.sent([1])  # the moment submit() stamps
+            stored = backend.events(0)
+            assert stored, "the blocks held when it was sent are recorded then"
+            assert backend._keys._sent_after[1] == stored[-1].seq, "and it is judged after them"
+        finally:
+            backend.shutdown()

@@ -461,12 +461,14 @@ def test_vllm_page_map_holds_the_stored_blocks(vclient, vllm_url):
     from transformers import AutoTokenizer
 
     from astrai.playground.backends.profiles import EMBEDDED_MODEL
+    from astrai.playground.views.text import readable
 
     tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL)
     prompts = [tokenizer(PREFIX + p)["input_ids"] for p in PANELS]
     # the full blocks of the prompts, as chains (the same salt: the prefix's blocks are shared by all panels)
     chains = {tuple(ids[: 32 * (k + 1)]) for ids in prompts for k in range(len(ids) // 32)}
-    texts = {tokenizer.decode(ids[32 * k : 32 * (k + 1)]) for ids in prompts for k in range(len(ids) // 32)}
+    shown_as = readable(tokenizer.decode, set(tokenizer.all_special_ids))  # as every view writes tokens
+    texts = {shown_as(ids[32 * k : 32 * (k + 1)]) for ids in prompts for k in range(len(ids) // 32)}
 
     def mine() -> list[str]:  # pages whose text this session may see: the blocks its requests hold
         return [h for h in hovers() if "tokens: " in h and "hidden" not in h]

@@ -27,7 +27,10 @@ class ServerKeys:
         self._sent_after: dict[int, int] = {}  # request -> the last event seq fed when it was sent
 
     def sent(self, request_ids: Sequence[int]) -> None:
-        """These requests are being sent now: their misses are judged as of the events seen so far."""
+        """These requests are being sent now: their misses are judged as of the events the replicas' subscribers
+        hold now (recorded first: a run that just ended has its blocks there, not yet in a sample)."""
+        for replica in self._replicas:
+            replica.catch_up()
         with self._lock:
             self._feed()
             for rid in request_ids:

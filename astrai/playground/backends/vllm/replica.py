@@ -98,6 +98,9 @@ class Replica:
     def events(self, after: int) -> list[EngineEvent]:
         return self.sampler.events(after)
 
+    def catch_up(self) -> None:
+        self.sampler.catch_up()
+
     def history(self, after_step: int) -> list[StepSample]:
         return self.sampler.history(after_step)
 

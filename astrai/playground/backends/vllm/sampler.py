@@ -105,6 +105,9 @@ class Sampler:
         self._cursor: dict[int, int] = {}  # request id -> output tokens already put in a sample
         self._admitted: set[int] = set()  # requests whose usage (prompt and cached tokens) a sample reported
         self._last_signature: tuple = ()
+        # a tracker snapshot and its record, one at a time: an earlier snapshot recorded after a later one would
+        # read as pages that went and came back
+        self._recording = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="vllm-sampler")
 
@@ -222,16 +225,30 @@ class Sampler:
             with self._lock:
                 self._unreachable = reason
             return
+        with self._recording:
+            self._record_now(metrics, scraped=True)
+
+    def catch_up(self) -> None:
+        """Record the KV events the subscriber holds now, without a scrape (the counters stay as last scraped). The
+        backend calls it as it sends requests: a request is judged by the events recorded when it was sent, and the
+        blocks of a run that just ended are in the subscriber at once, in a sample only at the next tick."""
+        with self._recording:
+            if self._metrics is not None:
+                self._record_now(self._metrics, scraped=False)
+
+    def _record_now(self, metrics: VllmMetrics, scraped: bool) -> None:
+        """Record the tracker's state now with ``metrics`` (``scraped``: just read; else the last scrape's again)."""
         snap = self._tracker()
         with self._lock:
             # A restart only on evidence (a slow or failed scrape is none): the server's start time changed (or its
             # counters went back), or the tracker saw its event sequence start over.
-            server_restarted = self._metrics is not None and metrics.restarted_since(self._metrics)
+            server_restarted = scraped and self._metrics is not None and metrics.restarted_since(self._metrics)
             events_restarted = snap is not None and snap.restarts > self._pages.epoch[1]
             if server_restarted or events_restarted:
                 self._generation += 1  # the cache behind us is another one now
-            self._unreachable = None
-            self._metrics, self._metrics_at = metrics, time.monotonic()
+            if scraped:
+                self._unreachable = None
+                self._metrics, self._metrics_at = metrics, time.monotonic()
         if server_restarted and self._subscriber is not None:
             self._subscriber.resync()  # its events may not show it yet: start over from the new server's seq 0
         self._record(metrics, snap)
