@@ -43,7 +43,7 @@ def test_a_profile_gets_its_own_engine_on_first_use_and_shares_it(engines):
     assert small.stats().n_pages == 40 and engines.ensure(SMALL) is small, "one engine per profile"
     same = Profile(settings=EngineSettings(n_pages=40, max_batch_size=8), name="another name")
     assert engines.ensure(same) is small, "equal settings name the same profile"
-    assert engines.ensure(DEFAULT_PROFILE).stats().n_pages == 1024, "the default engine is untouched"
+    assert engines.ensure(DEFAULT_PROFILE).stats().n_pages == 2048, "the default engine is untouched"
 
 
 def test_concurrent_first_uses_build_one_engine(engines):
@@ -83,8 +83,8 @@ def test_custom_engines_are_bounded_with_a_clear_message():
 
 
 def test_engines_and_kv_memory_are_bounded():
-    per_mb_1024 = 48  # the embedded model: 3 KiB of KV per token, 1024 pages of 16 tokens
-    engines = LocalEngines(max_engines=2, kv_budget_mb=per_mb_1024 + 1, idle_retire_s=3600, compile=False)
+    default_mb = 96  # the embedded model: 3 KiB of KV per token, the default engine's 2048 pages of 16 tokens
+    engines = LocalEngines(max_engines=2, kv_budget_mb=default_mb + 1, idle_retire_s=3600, compile=False)
     try:
         with pytest.raises(EngineLimitReached, match="MB of KV does not fit"):
             engines.ensure(custom(64))  # 3 MB: over the budget the default engine leaves

@@ -343,16 +343,13 @@ class LoadReport:
             )
         rounds = sorted({r.round for r in self.runs})
         if len(rounds) > 1:
-            ttft = [[r.ttft for r in self.runs if r.round == i and r.ttft is not None] for i in rounds]
-            total = [[r.total for r in self.runs if r.round == i and r.outcome == "completed"] for i in rounds]
-            per_round = {
-                "TTFT p50": [pct(values, 50) for values in ttft],
-                "TTFT p95": [pct(values, 95) for values in ttft],
-                "total p50": [pct(values, 50) for values in total],
-                "total p95": [pct(values, 95) for values in total],
-            }
             out.append(f"per round, min / median / max over {len(rounds)} rounds (s):")
-            out += [f"  {name}: {spread_of(values)}" for name, values in per_round.items()]
+            out += self._per_round(self.runs, rounds, "  ")
+            engines = sorted({r.engine for r in self.runs})
+            if len(engines) > 1:  # each engine apart: the lesson's small pool is slow by design (evictions, waits)
+                for engine in engines:
+                    out.append(f"  on the {engine} engine:")
+                    out += self._per_round([r for r in self.runs if r.engine == engine], rounds, "    ")
         for engine, figures in self.engines.items():
             out.append(f"engine {engine}: " + ", ".join(f"{k} {v}" for k, v in figures.items()))
         if self.memory_kb:
@@ -364,6 +361,18 @@ class LoadReport:
         else:
             out.append("app memory: not known (the app was not started by this tool)")
         return out
+
+    @staticmethod
+    def _per_round(runs: list[RunRecord], rounds: list[int], indent: str) -> list[str]:
+        ttft = [[r.ttft for r in runs if r.round == i and r.ttft is not None] for i in rounds]
+        total = [[r.total for r in runs if r.round == i and r.outcome == "completed"] for i in rounds]
+        per_round = {
+            "TTFT p50": [pct(values, 50) for values in ttft],
+            "TTFT p95": [pct(values, 95) for values in ttft],
+            "total p50": [pct(values, 50) for values in total],
+            "total p95": [pct(values, 95) for values in total],
+        }
+        return [f"{indent}{name}: {spread_of(values)}" for name, values in per_round.items()]
 
 
 def _pair(values: list[float]) -> str:

@@ -49,8 +49,8 @@ def model_choices(allow_hub: bool) -> dict[str, str]:
 @dataclass(frozen=True)
 class EngineSettings:
     page_size: int = 16
-    n_pages: int = 1024  # room for a full batch of 64 requests (~8 pages each: 16 four-panel runs) without preempting
-    max_batch_size: int = knobs.MAX_BATCH_SIZE  # docs/benchmarks.md: the load curve
+    n_pages: int = 2048  # room for a full batch of 128 requests (~8 pages each: 32 four-panel runs) without preempting
+    max_batch_size: int = knobs.MAX_BATCH_SIZE  # knobs.py says why 128; docs/benchmarks.md: the load curve
     prefix_caching: bool = True
     dtype: str = "float32"
     eviction: str = "lru"  # which cached page a full pool gives up first: astrai.eviction.POLICIES
