@@ -45,7 +45,8 @@ MAX_CUSTOM_ENGINES = int(Knob("ASTRAI_MAX_CUSTOM_ENGINES", 3, 0, 64).read())
 KV_BUDGET_MB = Knob("ASTRAI_KV_BUDGET_MB", 1024, 1, 1_048_576, integer=False).read()
 ENGINE_IDLE_S = Knob("ASTRAI_ENGINE_IDLE_S", 600, 1, 86_400 * 365, integer=False).read()
 # the default engine's batch: 128 lets a class of 30 (4-6 panels each) be admitted at once; at 64 the runs past it
-# waited for a slot, and the default engine's TTFT p95 under 30 spread visitors was 1.5-2.2 s (0.4-0.9 s at 128)
+# waited for a slot: the default engine's TTFT p95 per round under 30 spread visitors was 0.77-1.62 s, against
+# 0.55-0.91 s at 128 (docs/reliability.md)
 MAX_BATCH_SIZE = int(Knob("ASTRAI_MAX_BATCH_SIZE", 128, 1, MAX_BATCH).read())
 RUN_CONCURRENCY = int(Knob("ASTRAI_RUN_CONCURRENCY", 32, 1, 1024).read())  # runs streaming at once
 QUEUE_SIZE = int(Knob("ASTRAI_QUEUE_SIZE", 64, 1, 100_000).read())  # waiting events past this: "queue is full"
