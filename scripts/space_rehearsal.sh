@@ -18,6 +18,7 @@
 # PyTorch's CPU index cannot be reached from the project's machines: a local simple index holding the one torch
 # wheel pre-requirements.txt pins stands in for it (the URL is swapped in a copy of that file, nothing else is).
 # The wheel is ASTRAI_TORCH_WHEEL, else found in pip's configured find-links folders. PyPI is the real one.
+# Exit 0: passed; 1: a Space would fail (the step is named); 3: this machine cannot rehearse it (said why).
 # The visit runs with CHECK_PYTHON (default: python3 on PATH), which needs Playwright and Debian's chromium.
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
@@ -30,6 +31,7 @@ APP_PID=""
 STEP="clone"
 say() { echo "[space_rehearsal] $*" >&2; }
 fail() { say "FAILED at step '$STEP': $*"; exit 1; }
+cannot() { say "cannot rehearse here, at step '$STEP': $*"; exit 3; }  # not the Space's fault: exit 3
 clean_up() {
   status=$?
   if [ -n "$APP_PID" ]; then kill -- "-$APP_PID" 2>/dev/null || kill "$APP_PID" 2>/dev/null || true; fi
@@ -63,7 +65,7 @@ EOF
 [ -n "$FM_SDK_VERSION" ] || fail "no sdk_version"
 [ -f "$FM_APP_FILE" ] || fail "app_file '$FM_APP_FILE' is not in the repository"
 PYTHON="python$FM_PYTHON_VERSION"
-command -v "$PYTHON" >/dev/null || fail "python_version $FM_PYTHON_VERSION: no $PYTHON here to rehearse with"
+command -v "$PYTHON" >/dev/null || cannot "python_version $FM_PYTHON_VERSION: no $PYTHON here to rehearse with"
 say "front matter: gradio $FM_SDK_VERSION, $FM_APP_FILE, Python $FM_PYTHON_VERSION"
 
 STEP="push"
@@ -104,7 +106,7 @@ if [ -f pre-requirements.txt ]; then
       done
     done
   fi
-  [ -f "$wheel" ] || fail "no torch $version wheel to stand in for PyTorch's index (set ASTRAI_TORCH_WHEEL)"
+  [ -f "$wheel" ] || cannot "no torch $version wheel to stand in for PyTorch's index (set ASTRAI_TORCH_WHEEL)"
   mkdir -p "$WORK/pytorch-index/torch"
   name=$(basename "$wheel")
   printf '<!DOCTYPE html><html><body><a href="file://%s">%s</a></body></html>\n' "${wheel//+/%2B}" "$name" \

@@ -19,3 +19,4 @@ NO_FLEET = (
     "round_robin,cache_aware --dev-mode --port 8051 --kv-port 5657 --router-port 8199 --router-metrics-port 29199 "
     "--wait > fleet.json`, then set ASTRAI_FLEET=fleet.json (.ci/run does both)"
 )
+NO_PYPI = "PyPI cannot be reached: the Space rehearsal installs the lock from it, as a Space's builder does"
