@@ -27,15 +27,7 @@ python3 -m venv "$WORK/venv"
 source "$WORK/venv/bin/activate"
 
 # README's bash blocks under "## On a fresh machine": the first installs and runs the app, the second the tests.
-mapfile -t COMMANDS < <(python - <<'EOF'
-import re
-from pathlib import Path
-
-section = Path("README.md").read_text().split("## On a fresh machine", 1)[1].split("\n## ", 1)[0]
-for block in re.findall(r"```bash\n(.*?)\n```", section, flags=re.S)[:2]:
-    print(block.strip())
-EOF
-)
+mapfile -t COMMANDS < <(python scripts/readme_commands.py)
 [ "${#COMMANDS[@]}" -eq 2 ] || { say "README's 'On a fresh machine' lacks its two commands"; exit 1; }
 say "the app's command: ${COMMANDS[0]}"
 say "the tests' command: ${COMMANDS[1]}"

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,33 +15,40 @@ import torch
 from astrai import InferenceEngine
 from astrai.openmp import release_pool
 
+PR_SET_NAME = 15  # prctl(2): names the calling OS thread; a thread it then starts inherits the name
 
-def os_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+
+def threads_named(name: str) -> int:
+    """The OS threads of this process named ``name`` (a thread that ends while they are counted is not counted)."""
+    count = 0
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(FileNotFoundError):
+            count += Path(f"/proc/self/task/{task}/comm").read_text().strip() == name
+    return count
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task") or torch.get_num_threads() < 2, reason="Linux, 2 threads")
 def test_release_pool_frees_the_calling_threads_openmp_workers():
-    for thread in threading.enumerate():  # earlier tests' engine loops: none may exit while threads are counted
-        if thread.name == "astrai-engine":
-            thread.join(timeout=10)
+    """Counts only the thread's own OpenMP team: the thread takes a name no other has, and the workers libgomp
+    starts for it inherit that name, so threads that other tests start or end meanwhile cannot change the count."""
+    name = "omp-team-probe"
     workers = torch.get_num_threads() - 1  # the calling thread is the team's first member
     counts = {}
 
     def compute_then_release():
+        assert ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode(), 0, 0, 0) == 0
         a = torch.randn(512, 512)
-        counts["idle"] = os_threads()
+        counts["idle"] = threads_named(name)
         for _ in range(5):
             a @ a  # a parallel region: this thread gets a pool of OpenMP workers
-        counts["computing"] = os_threads()
+        counts["computing"] = threads_named(name)
         release_pool()
-        counts["released"] = os_threads()
+        counts["released"] = threads_named(name)
 
     worker = threading.Thread(target=compute_then_release)
     worker.start()
     worker.join()
-    assert counts["computing"] == counts["idle"] + workers
-    assert counts["released"] == counts["idle"]
+    assert counts == {"idle": 1, "computing": 1 + workers, "released": 1}
 
 
 def test_the_engine_releases_the_pools_it_leaves_idle(model, tokenizer, monkeypatch):
