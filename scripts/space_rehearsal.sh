@@ -27,6 +27,7 @@ START_LIMIT_S="${START_LIMIT_S:-15}"
 CHECK_PYTHON="${CHECK_PYTHON:-python3}"
 TORCH_INDEX="https://download.pytorch.org/whl/cpu"
 WORK="$(mktemp -d)"
+chmod 755 "$WORK"  # user 1000 runs the venv's python and reads the app in here
 APP_PID=""
 STEP="clone"
 say() { echo "[space_rehearsal] $*" >&2; }
