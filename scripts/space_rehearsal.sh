@@ -65,9 +65,23 @@ EOF
 [ "$FM_SDK" = gradio ] || fail "sdk is '$FM_SDK'; this rehearsal is of the Gradio SDK"
 [ -n "$FM_SDK_VERSION" ] || fail "no sdk_version"
 [ -f "$FM_APP_FILE" ] || fail "app_file '$FM_APP_FILE' is not in the repository"
-PYTHON="python$FM_PYTHON_VERSION"
-command -v "$PYTHON" >/dev/null || cannot "python_version $FM_PYTHON_VERSION: no $PYTHON here to rehearse with"
-say "front matter: gradio $FM_SDK_VERSION, $FM_APP_FILE, Python $FM_PYTHON_VERSION"
+# A Space runs its app as user 1000: as root, rehearse that with a Python user 1000 can run (a pyenv under /root is
+# not one); where there is none, or this is not root, the app runs as this user, and the line says so.
+AS_USER=()
+PYTHON=""
+for candidate in "$(command -v "python$FM_PYTHON_VERSION" || true)" "/usr/bin/python$FM_PYTHON_VERSION" \
+  "/usr/local/bin/python$FM_PYTHON_VERSION"; do
+  [ -x "$candidate" ] || continue
+  if [ "$(id -u)" -ne 0 ]; then PYTHON=$candidate; break; fi
+  if setpriv --reuid=1000 --regid=1000 --clear-groups "$candidate" -c "import venv" 2>/dev/null; then
+    PYTHON=$candidate
+    AS_USER=(setpriv --reuid=1000 --regid=1000 --clear-groups)
+    break
+  fi
+  [ -n "$PYTHON" ] || PYTHON=$candidate
+done
+[ -n "$PYTHON" ] || cannot "python_version $FM_PYTHON_VERSION: no python$FM_PYTHON_VERSION here to rehearse with"
+say "front matter: gradio $FM_SDK_VERSION, $FM_APP_FILE, Python $FM_PYTHON_VERSION ($PYTHON)"
 
 STEP="push"
 while IFS= read -r -d '' path; do
@@ -132,11 +146,7 @@ say "sdk install: gradio[oauth]==$FM_SDK_VERSION, uvicorn and spaces were alread
 STEP="start"
 mkdir -p "$WORK/home"
 PORT="$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
-AS_USER=()
-if [ "$(id -u)" -eq 0 ]; then
-  chown -R 1000:1000 "$WORK/app" "$WORK/home"
-  AS_USER=(setpriv --reuid=1000 --regid=1000 --clear-groups)
-fi
+[ "${#AS_USER[@]}" -eq 0 ] || chown -R 1000:1000 "$WORK/app" "$WORK/home"
 mkdir -p "$WORK/home/tmp"  # a Space's /tmp is new too: no Gradio or inductor files of earlier runs
 launched=$(date +%s%N)
 setsid "${AS_USER[@]}" env -i PATH="$WORK/venv/bin:/usr/local/bin:/usr/bin:/bin" HOME="$WORK/home" USER=user \
@@ -150,7 +160,7 @@ until curl -sf -o /dev/null "http://127.0.0.1:$PORT/"; do
 done
 answered_ms=$((($(date +%s%N) - launched) / 1000000))
 answered="$((answered_ms / 1000)).$(printf '%03d' $((answered_ms % 1000)))"
-say "start: the page answered $answered s after the process started (uid $(stat -c %u "$WORK/home"), fresh HOME, port $PORT)"
+say "start: the page answered $answered s after the process started (as uid $([ "${#AS_USER[@]}" -gt 0 ] && echo 1000 || id -u), $PYTHON, fresh HOME, port $PORT)"
 [ "$answered_ms" -le $((START_LIMIT_S * 1000)) ] || fail "the page took $answered s, over $START_LIMIT_S s"
 
 STEP="visit"
