@@ -35,6 +35,21 @@ read before the load (every engine the load uses is built by then) and after it;
 With several rounds, TTFT and total time are also given per round (a round is every user's n-th run; users are
 not synchronised), as min / median / max over the rounds. Every loop is bounded in count and time; all traffic is
 loopback (or ``--url``).
+
+``--lockstep --clients 30 --steps all`` (or ``--steps 1,3,8``): a class working through the lesson together, as a
+teacher leads it. Each student is one gradio_client session, kept over every step (a browser tab). At each step,
+every student loads it as Lesson ▶ does (``/load_scenario`` of the step's scenario: the lesson's buttons are not in the
+API, and their callback is that one's function) and reads ``/cache_stats``; once all have answered (the barrier), all
+press the step's button within ``PRESS_SPREAD_S`` (one press per student, spread uniformly, shuffled), each streaming
+its run to the end and then calling ``/after_run`` as the browser chains it. A step that says "Run twice", "then
+Follow-up turn, then Run again" or "Press Compare" gets those presses, each one in lockstep again
+(``astrai.playground.promises.presses``). Per step: TTFT p50 / p95 / max (the first text of panel 1 as the student saw
+it stream, every press), each run's time to its end, the class's time from the first press to the last run's end, the
+errors with their messages, and per student whether what it was shown (badges, the request table's cause counts, the
+savings note, the evictions its stats line counted during the step) keeps the step's promise
+(``astrai.playground.promises``); then the app's VmRSS after all steps. ``--rounds N`` walks the lesson N times and
+gives each step's TTFT p95 as min / median / max over the rounds; ``--json PATH`` writes the report. The tool reads only
+what a visitor reads, so it holds however the app makes a step's pool.
 """
 
 from __future__ import annotations
@@ -53,7 +68,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -946,9 +961,11 @@ def run_lockstep(
     app_pid: int | None = None,
     job_timeout: float = 300.0,
     call_timeout: float = 120.0,
+    progress: Callable[[str], None] | None = None,
 ) -> LockstepReport:
     """A class of ``clients`` students in lockstep through the lesson's ``steps`` (0-based; all by default),
-    ``rounds`` times over: see ``_walk_step``. ``max_tokens``: a cap on each step's own (None: the step's)."""
+    ``rounds`` times over: see ``_walk_step``. ``max_tokens``: a cap on each step's own (None: the step's);
+    ``progress``: told each step's summary as it ends."""
     from concurrent.futures import ThreadPoolExecutor
 
     from astrai.playground.scenarios import LESSON
@@ -968,6 +985,8 @@ def run_lockstep(
         for round_ in range(rounds):
             for index in steps:
                 report.steps.append(_walk_step(students, index, round_, pool, rng, max_tokens))
+                if progress is not None:
+                    progress(json.dumps(report.steps[-1].summary(), ensure_ascii=False))
     if app_pid is not None:
         memory = process_memory_kb(app_pid)
         report.memory_kb |= {"after": memory.get("VmRSS", 0), "peak": memory.get("VmHWM", 0)}
@@ -1025,7 +1044,15 @@ def main() -> None:
         launched = None if args.url else stack.enter_context(start_app(env, app=args.app))
         url, pid = args.url or launched.url, None if launched is None else launched.pid
         if args.lockstep:
-            lockstep = run_lockstep(url, args.clients, steps, args.rounds or 1, args.max_tokens, app_pid=pid)
+            lockstep = run_lockstep(
+                url,
+                args.clients,
+                steps,
+                args.rounds or 1,
+                args.max_tokens,
+                app_pid=pid,
+                progress=lambda line: print(line, file=sys.stderr, flush=True),
+            )
             for line in lockstep.lines():
                 print(line)
             if args.json:
