@@ -54,7 +54,7 @@ def test_a_class_in_lockstep_reads_each_steps_promise_off_its_own_badges():
     cause counts, exactly), with the report's figures per step and the app's memory after."""
     ARTIFACTS.mkdir(exist_ok=True)
     with start_app(log_path=ARTIFACTS / "lockstep-app.log") as app:
-        report = run_lockstep(app.url, clients=3, steps=[0, 7], app_pid=app.pid, job_timeout=60, call_timeout=30)
+        report = run_lockstep(app.url, clients=3, steps=[0, 7], app_pid=app.pid)  # timeouts: a busy machine is slow
     assert [(s.step, s.round, s.presses) for s in report.steps] == [(1, 0, ("run",)), (8, 0, ("run",))]
     for step in report.steps:
         summary = step.summary()

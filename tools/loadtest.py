@@ -706,6 +706,8 @@ class StepRound:
             round=self.round + 1,
             presses=list(self.presses),
             engine=self.engine,
+            ttft_n=len(ttft),  # presses whose panel 1 showed text (a run timed out before it has none)
+            presses_n=sum(len(s.run_s) for s in self.students),
             ttft_p50=pct(ttft, 50, "inclusive"),
             ttft_p95=pct(ttft, 95, "inclusive"),
             ttft_max=round(max(ttft), 3) if ttft else None,
@@ -746,18 +748,19 @@ class LockstepReport:
         out = [f"cpu: {self.cpu}", f"lockstep: {self.config}"]
         out.append(
             f"{'step':<40} {'rnd':>3} {'presses':<19} {'TTFT p50 / p95 / max s':<23} {'run p50 / max s':<16}"
-            f" {'class s':>7} {'err':>4}  promise kept"
+            f" {'class s':>7} {'err':>4} {'TTFTs':>9}  promise kept"
         )
         for s in self.steps:
             f = s.summary()
             ttft = " / ".join("n/a" if f[k] is None else f"{f[k]:.2f}" for k in ("ttft_p50", "ttft_p95", "ttft_max"))
             runs = " / ".join("n/a" if f[k] is None else f"{f[k]:.2f}" for k in ("run_p50", "run_max"))
             promise = f"{f['promise'].get('kept', 0)}/{len(s.students)}"
+            shown = f"{f['ttft_n']}/{f['presses_n']}"
             if "nothing promised" in f["promise"]:
                 promise = "n/a (the text promises nothing of the run)"
             out.append(
                 f"{s.title[:40]:<40} {s.round + 1:>3} {'+'.join(s.presses):<19} {ttft:<23} {runs:<16}"
-                f" {s.seconds:>7.1f} {f['errors']:>4}  {promise}"
+                f" {s.seconds:>7.1f} {f['errors']:>4} {shown:>9}  {promise}"
             )
         if self.rounds > 1:
             out.append(f"TTFT p95 over {self.rounds} rounds, min / median / max (s):")
@@ -862,9 +865,12 @@ class _Student:
         record.ttft.append(result.ttft)
         record.run_s.append(round(result.total, 3))
         if result.outcome != "completed":
-            raise RuntimeError(f"{button}: {result.outcome}: {result.error}")
+            timed_out = result.error == "timed out"
+            raise RuntimeError(
+                f"timed out after {self.job_timeout:.0f} s" if timed_out else result.error or result.outcome
+            )
         if result.warnings:
-            raise RuntimeError(f"{button}: the stream warned: {result.warnings[0][:160]}")
+            raise RuntimeError(f"the stream warned: {result.warnings[0][:160]}")
         return result, tuple(_call(self.client, self.call_timeout, api_name="/after_run"))
 
 
@@ -1015,6 +1021,9 @@ def main() -> None:
     )
     parser.add_argument("--steps", default="all", help="with --lockstep: 'all', or step numbers such as 1,3,8")
     parser.add_argument("--json", type=Path, help="with --lockstep: also write the report here, as JSON")
+    parser.add_argument(
+        "--job-timeout", type=float, default=300.0, help="with --lockstep: a run still streaming after this is an error"
+    )
     parser.add_argument("--queue-size", type=int, default=None, help="ASTRAI_QUEUE_SIZE for the started app")
     parser.add_argument("--max-batch", type=int, default=None, help="ASTRAI_MAX_BATCH_SIZE for the started app")
     parser.add_argument("--concurrency", type=int, default=None, help="ASTRAI_RUN_CONCURRENCY for the started app")
@@ -1051,6 +1060,7 @@ def main() -> None:
                 args.rounds or 1,
                 args.max_tokens,
                 app_pid=pid,
+                job_timeout=args.job_timeout,
                 progress=lambda line: print(line, file=sys.stderr, flush=True),
             )
             for line in lockstep.lines():
