@@ -10,6 +10,8 @@ import time
 import pytest
 
 from astrai.observation import PageEvicted
+from astrai.playground import promises
+from astrai.playground.promises import Panel, Seen
 from astrai.playground.scenarios import LESSON, SCENARIO_BY_NAME
 from astrai.playground.views import charts, replay
 from astrai.sampling import SamplingParams
@@ -203,7 +205,8 @@ def test_compare_runs_its_second_half_on_an_engine_without_caching(pg):
     assert visitor.with_cache and visitor.without_cache
     looked_up = after.query_tokens - before.query_tokens
     assert looked_up == visitor.with_cache.prompt_tokens, "only the caching-on half was looked up on this engine"
-    assert visitor.with_cache.computed_tokens < visitor.without_cache.computed_tokens
+    computed = (visitor.with_cache.computed_tokens, visitor.without_cache.computed_tokens)
+    assert promises.check(LESSON[5], Seen(16, computed=computed)) == []
     saved = pg.runs.savings(visitor)
     titles = [a.text for a in saved[pg.ctx.ui.cache.savings].layout.annotations]
     assert "total s" not in titles and "prefill tokens computed" in titles
@@ -247,7 +250,8 @@ def test_lesson_step_two_has_prompts_of_full_pages_and_no_run_of_it_hits(pg):
     for session in ("first", "second"):  # the second visitor runs the very same prompts
         run_to_the_end(pg, session, scenario_fields(pg, name, max_tokens=2))
         infos = backend.request_info(list(pg.ctx.visitors.peek(session).shown.request_ids))
-        assert all(i.prompt_tokens > 2 * 16 for i in infos) and [i.cached_tokens for i in infos] == [0] * 4
+        run = tuple(Panel(i.prompt_tokens, i.cached_tokens) for i in infos)
+        assert len(run) == 4 and promises.check(LESSON[1], Seen(16, (run,))) == []
 
 
 def test_after_a_run_the_slow_replay_is_offered(pg):

@@ -35,12 +35,28 @@ read before the load (every engine the load uses is built by then) and after it;
 With several rounds, TTFT and total time are also given per round (a round is every user's n-th run; users are
 not synchronised), as min / median / max over the rounds. Every loop is bounded in count and time; all traffic is
 loopback (or ``--url``).
+
+``--lockstep --clients 30 --steps all`` (or ``--steps 1,3,8``): a class working through the lesson together, as a
+teacher leads it. Each student is one gradio_client session, kept over every step (a browser tab). At each step,
+every student loads it as Lesson ▶ does (``/load_scenario`` of the step's scenario: the lesson's buttons are not in the
+API, and their callback is that one's function) and reads ``/cache_stats``; once all have answered (the barrier), all
+press the step's button within ``PRESS_SPREAD_S`` (one press per student, spread uniformly, shuffled), each streaming
+its run to the end and then calling ``/after_run`` as the browser chains it. A step that says "Run twice", "then
+Follow-up turn, then Run again" or "Press Compare" gets those presses, each one in lockstep again
+(``astrai.playground.promises.presses``). Per step: TTFT p50 / p95 / max (the first text of panel 1 as the student saw
+it stream, every press), each run's time to its end, the class's time from the first press to the last run's end, the
+errors with their messages, and per student whether what it was shown (badges, the request table's cause counts, the
+savings note, the evictions its stats line counted during the step) keeps the step's promise
+(``astrai.playground.promises``); then the app's VmRSS after all steps. ``--rounds N`` walks the lesson N times and
+gives each step's TTFT p95 as min / median / max over the rounds; ``--json PATH`` writes the report. The tool reads only
+what a visitor reads, so it holds however the app makes a step's pool.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import random
 import socket
@@ -52,7 +68,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -275,8 +291,9 @@ class RunRecord:
     total: float
 
 
-def pct(values: list[float], q: int) -> float | None:
-    return round(statistics.quantiles(values, n=100)[q - 1], 3) if len(values) >= 2 else None
+def pct(values: list[float], q: int, method: str = "exclusive") -> float | None:
+    """The ``q``-th percentile (``statistics.quantiles``' method: "inclusive" keeps it within the values seen)."""
+    return round(statistics.quantiles(values, n=100, method=method)[q - 1], 3) if len(values) >= 2 else None
 
 
 def spread_of(values: list[float | None]) -> str:
@@ -430,18 +447,22 @@ def _drain_warnings(job) -> list[str]:
     return messages
 
 
-def one_run(client, args: dict, cancel: bool, timeout: float, panels: int = 4) -> RunResult:
-    """One /run: streamed until done, or cancelled at its first text when ``cancel``."""
+def one_run(
+    client, args: dict, cancel: bool, timeout: float, panels: int = 4, api_name: str = "/run", first_panel: bool = False
+) -> RunResult:
+    """One /run (or ``api_name``: /compare streams the same way): streamed until done, or cancelled at its first text
+    when ``cancel``. Its TTFT is the first text of any panel, or with ``first_panel``, of panel 1."""
     started = time.monotonic()
     ttft = None
     warnings: list[str] = []
+    watched = 1 if first_panel else panels
     try:
-        job = client.submit(**args, api_name="/run")
+        job = client.submit(**args, api_name=api_name)
         deadline = started + timeout
         while not job.done() and time.monotonic() < deadline:
             warnings += _drain_warnings(job)
             outputs = job.outputs()
-            if ttft is None and outputs and any(outputs[-1][:panels]):
+            if ttft is None and outputs and any(outputs[-1][:watched]):
                 ttft = time.monotonic() - started
                 if cancel:
                     job.cancel()
@@ -452,13 +473,23 @@ def one_run(client, args: dict, cancel: bool, timeout: float, panels: int = 4) -
             return RunResult("error", ttft, time.monotonic() - started, "timed out", warnings)
         final = job.result()
         warnings += _drain_warnings(job)
-        if ttft is None and any(job.outputs()[-1][:panels]):
+        if ttft is None and any(job.outputs()[-1][:watched]):
             ttft = time.monotonic() - started
         return RunResult("completed", ttft, time.monotonic() - started, None, warnings, tuple(final or ()))
     except Exception as exc:
         message = str(exc)
         outcome = "busy" if "queue" in message.lower() and "full" in message.lower() else "error"
         return RunResult(outcome, ttft, time.monotonic() - started, message[:200], warnings)
+
+
+def follow_up_prompts(prefix: str, prompts: list[str], answers: tuple | list) -> list[str] | None:
+    """The next turn's prompts, as Follow-up turn makes them (each prompt + its answer + ``FOLLOW_UP``); None when a
+    panel has no answer or a turn would pass the app's length limit."""
+    from astrai.playground.scenarios import FOLLOW_UP
+
+    turns = [p + str(a) + FOLLOW_UP for p, a in zip(prompts, answers, strict=False) if a]
+    fits = len(turns) == len(prompts) and all(len(prefix + t) <= MAX_PROMPT_CHARS for t in turns)
+    return turns if fits else None
 
 
 def badge_trouble(badges: list, panels: int) -> str | None:
@@ -517,7 +548,7 @@ def run_load(
         f"settings), {rounds} rounds, max tokens {max_tokens}, cancel rate {cancel_rate}"
     )
     if spread is not None:
-        from astrai.playground.scenarios import FOLLOW_UP, SCENARIO_BY_NAME
+        from astrai.playground.scenarios import SCENARIO_BY_NAME
 
     def record(visit: Visit, round_: int, result: RunResult, ended: str | None = None) -> None:
         outcome = "ended_by_other" if ended else result.outcome
@@ -570,11 +601,7 @@ def run_load(
                 record(visit, round_, result, ended)
                 if scenario is not None and scenario.name == "Follow-up turn":  # the next turn, as the button does
                     answers = result.outputs[: len(prompts)] if result.outcome == "completed" and not ended else ()
-                    turns = [p + str(a) + FOLLOW_UP for p, a in zip(prompts, answers, strict=False) if a]
-                    fits = len(turns) == len(prompts) and all(
-                        len(scenario.prefix + t) <= MAX_PROMPT_CHARS for t in turns
-                    )
-                    prompts = turns if fits else list(scenario.prompts)
+                    prompts = follow_up_prompts(scenario.prefix, prompts, answers) or list(scenario.prompts)
         except Exception as exc:  # the client itself failed: the rounds it did not finish count as errors
             for missed in range(round_, rounds):
                 record(visit, missed, RunResult("error", None, 0.0, f"client failed: {exc}"[:200]))
@@ -634,12 +661,352 @@ def run_load(
     return report
 
 
+# ----- lockstep: a class on each lesson step ---------------------------------------------------------------------
+PRESS_SPREAD_S = 1.0  # a class's presses of one button, spread uniformly over this
+API_OF = {"run": "/run", "compare": "/compare"}
+BADGE_FIGURE = r"\*\*(\d+)\*\* {}"  # a badge's bold figure before these words ("**48** cached")
+
+
+@dataclass
+class StudentStep:
+    """One student at one lesson step of one round: each press's TTFT (the first text of panel 1, as it streamed)
+    and whole run, what went wrong, and the step's promise as the student's badges, table and stats line read."""
+
+    student: int
+    ttft: list[float | None] = field(default_factory=list)
+    run_s: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    promise: str = "not read"  # kept / broken / nothing promised / not read (an error came first)
+    broken: list[str] = field(default_factory=list)
+    cached: list[list[int | None]] = field(default_factory=list)  # each Run's panels' cached tokens, as badged
+
+
+@dataclass
+class StepRound:
+    """A lesson step as the class went through it in one round."""
+
+    step: int  # 1-based, as the lesson numbers it
+    title: str
+    round: int  # 0-based
+    presses: tuple[str, ...]
+    engine: str  # the engine the app said the first student is on
+    seconds: float  # from the first press to the end of the last run
+    students: list[StudentStep]
+
+    @property
+    def ttfts(self) -> list[float]:
+        return [t for s in self.students for t in s.ttft if t is not None]
+
+    def summary(self) -> dict:
+        ttft, runs = self.ttfts, [r for s in self.students for r in s.run_s]
+        errors = Counter(e for s in self.students for e in s.errors)
+        return dict(
+            step=self.step,
+            title=self.title,
+            round=self.round + 1,
+            presses=list(self.presses),
+            engine=self.engine,
+            ttft_n=len(ttft),  # presses whose panel 1 showed text (a run timed out before it has none)
+            presses_n=sum(len(s.run_s) for s in self.students),
+            ttft_p50=pct(ttft, 50, "inclusive"),
+            ttft_p95=pct(ttft, 95, "inclusive"),
+            ttft_max=round(max(ttft), 3) if ttft else None,
+            run_p50=pct(runs, 50, "inclusive"),
+            run_max=round(max(runs), 3) if runs else None,
+            class_s=round(self.seconds, 2),
+            errors=sum(errors.values()),
+            error_messages=dict(errors.most_common(5)),
+            promise=dict(Counter(s.promise for s in self.students)),
+            broken={f"student {s.student + 1}": s.broken for s in self.students if s.broken},
+        )
+
+
+@dataclass
+class LockstepReport:
+    clients: int
+    rounds: int
+    steps: list[StepRound] = field(default_factory=list)
+    memory_kb: dict[str, int] = field(default_factory=dict)  # VmRSS at start and after all steps, VmHWM; {}: unknown
+    cpu: str = field(default_factory=cpu_description)
+    config: str = ""
+
+    def as_json(self) -> dict:
+        return dict(
+            cpu=self.cpu,
+            config=self.config,
+            clients=self.clients,
+            rounds=self.rounds,
+            steps=[s.summary() for s in self.steps],
+            students=[
+                {"step": s.step, "round": s.round + 1, "students": [vars(x) for x in s.students]} for s in self.steps
+            ],
+            memory_kb=self.memory_kb,
+        )
+
+    def lines(self) -> list[str]:
+        """A table of the steps (each round), the p95 over rounds, what went wrong, and the app's memory."""
+        out = [f"cpu: {self.cpu}", f"lockstep: {self.config}"]
+        out.append(
+            f"{'step':<40} {'rnd':>3} {'presses':<19} {'TTFT p50 / p95 / max s':<23} {'run p50 / max s':<16}"
+            f" {'class s':>7} {'err':>4} {'TTFTs':>9}  promise kept"
+        )
+        for s in self.steps:
+            f = s.summary()
+            ttft = " / ".join("n/a" if f[k] is None else f"{f[k]:.2f}" for k in ("ttft_p50", "ttft_p95", "ttft_max"))
+            runs = " / ".join("n/a" if f[k] is None else f"{f[k]:.2f}" for k in ("run_p50", "run_max"))
+            promise = f"{f['promise'].get('kept', 0)}/{len(s.students)}"
+            shown = f"{f['ttft_n']}/{f['presses_n']}"
+            if "nothing promised" in f["promise"]:
+                promise = "n/a (the text promises nothing of the run)"
+            out.append(
+                f"{s.title[:40]:<40} {s.round + 1:>3} {'+'.join(s.presses):<19} {ttft:<23} {runs:<16}"
+                f" {s.seconds:>7.1f} {f['errors']:>4} {shown:>9}  {promise}"
+            )
+        if self.rounds > 1:
+            out.append(f"TTFT p95 over {self.rounds} rounds, min / median / max (s):")
+            for step in dict.fromkeys(s.step for s in self.steps):
+                rounds = [s for s in self.steps if s.step == step]
+                p95s = [pct(s.ttfts, 95, "inclusive") for s in rounds]
+                out.append(f"  {rounds[0].title:<44} {spread_of(p95s)}")
+        for s in self.steps:
+            out.append(f"step {s.step}, round {s.round + 1}: on {s.engine}")
+            f = s.summary()
+            out += [f"  error ×{n}: {message}" for message, n in f["error_messages"].items()]
+            out += [f"  {who}: {'; '.join(why)[:300]}" for who, why in list(f["broken"].items())[:5]]
+        if self.memory_kb:
+            mib = {k: f"{v / 1024:.0f} MiB" for k, v in self.memory_kb.items()}
+            out.append(
+                f"app memory: VmRSS at start {mib.get('start', '?')}, after all steps {mib.get('after', '?')}; "
+                f"peak (VmHWM) {mib.get('peak', '?')}"
+            )
+        else:
+            out.append("app memory: not known (the app was not started by this tool)")
+        return out
+
+
+def parse_steps(text: str) -> list[int]:
+    """``all`` or comma-separated lesson step numbers ("1,3,8"), as 0-based indices in the order given."""
+    from astrai.playground.scenarios import LESSON
+
+    if text.strip() == "all":
+        return list(range(len(LESSON)))
+    try:
+        numbers = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--steps takes 'all' or step numbers like 1,3,8, not {text!r}") from None
+    wrong = [n for n in numbers if not 1 <= n <= len(LESSON)]
+    if wrong or not numbers:
+        raise ValueError(f"the lesson has steps 1 to {len(LESSON)}; --steps {text!r} names {wrong or 'none'}")
+    return [n - 1 for n in numbers]
+
+
+def read_panels(after: tuple | list, n: int):
+    """The panels of a run as /after_run shows them: each badge's prompt and cached tokens, and its row of the
+    request table by cause (``astrai.playground.promises.Panel``)."""
+    import re
+
+    from astrai.playground.promises import Panel
+    from astrai.playground.views.causes import CAUSES
+
+    badges = [str(b or "") for b in after[:n]]
+    table = next((x for x in after if isinstance(x, dict) and "headers" in x), None)
+    if table is None:
+        raise ValueError("/after_run sent no request table")
+    headers, rows = table["headers"], table["data"]
+    if len(rows) < n:
+        raise ValueError(f"the request table has {len(rows)} rows for {n} panels")
+    words = {word: cause for cause, (word, _) in CAUSES.items()}
+    panels = []
+    for badge, row in zip(badges, rows, strict=False):
+        prompt = re.search(BADGE_FIGURE.format("prompt tokens"), badge)
+        cached = re.search(BADGE_FIGURE.format("cached"), badge)
+        if prompt is None:
+            raise ValueError(f"a badge without its prompt tokens: {badge!r}")
+        cells = dict(zip(headers, row, strict=True))
+        by_cause = {words[h]: v for h, v in cells.items() if h in words and isinstance(v, int)}
+        panels.append(Panel(int(prompt.group(1)), int(cached.group(1)) if cached else None, by_cause))
+    return tuple(panels)
+
+
+def read_computed(note: str) -> tuple[int, int]:
+    """Compare's prefill tokens computed with caching on and off, as the savings note says them."""
+    import re
+
+    found = re.search(r"With caching, \*\*(\d+)\*\* prefill tokens.*Without it, \*\*(\d+)\*\* were computed", note)
+    if found is None:
+        raise ValueError(f"the savings note gives no comparison: {note[:160]!r}")
+    return int(found.group(1)), int(found.group(2))
+
+
+class _Student:
+    """One student: a session of its own (a browser tab), kept over every step and round."""
+
+    def __init__(self, index: int, url: str, tls: ssl.SSLContext, call_timeout: float, job_timeout: float):
+        from gradio_client import Client
+
+        self.index, self.call_timeout, self.job_timeout = index, call_timeout, job_timeout
+        self.client = Client(url, verbose=False, ssl_verify=tls)
+
+    def arrive(self, scenario: str) -> tuple[str, dict]:
+        """Go to the step as Lesson ▶ does (the step's scenario in this session: the lesson's buttons are not in the
+        API, and they call /load_scenario's function); returns where the app says it is, and the stats line's
+        figures there (its engine's, or pool's: whatever the session is shown)."""
+        status = str(_call(self.client, self.call_timeout, scenario, api_name="/load_scenario")[-1])
+        if not status.startswith("✅"):
+            raise RuntimeError(f"the move to {scenario!r} was refused: {status}")
+        return status, self.stats()
+
+    def stats(self) -> dict:
+        return _call(self.client, self.call_timeout, api_name="/cache_stats")
+
+    def press(self, button: str, args: dict, n: int, record: StudentStep) -> tuple[RunResult, tuple]:
+        """One press of Run or Compare, streamed to its end, then /after_run as the browser chains it."""
+        result = one_run(self.client, args, False, self.job_timeout, n, API_OF[button], first_panel=True)
+        record.ttft.append(result.ttft)
+        record.run_s.append(round(result.total, 3))
+        if result.outcome != "completed":
+            timed_out = result.error == "timed out"
+            raise RuntimeError(
+                f"timed out after {self.job_timeout:.0f} s" if timed_out else result.error or result.outcome
+            )
+        if result.warnings:
+            raise RuntimeError(f"the stream warned: {result.warnings[0][:160]}")
+        return result, tuple(_call(self.client, self.call_timeout, api_name="/after_run"))
+
+
+def _walk_step(
+    students: list[_Student], index: int, round_: int, pool, rng: random.Random, max_tokens: int | None
+) -> StepRound:
+    """Every student through lesson step ``index``: all arrive (the barrier: every arrival has answered), then for
+    each button the step says to press, all press it within ``PRESS_SPREAD_S`` (uniformly spread, in a shuffled
+    order), each streaming its run to the end; then each reads the step's promise off what it was shown."""
+    from astrai.playground import promises
+    from astrai.playground.scenarios import LESSON, SCENARIO_BY_NAME
+
+    step = LESSON[index]
+    scenario = SCENARIO_BY_NAME[step.scenario]
+    presses = promises.presses(step)
+    records = [StudentStep(s.index) for s in students]
+    prompts = [list(scenario.prompts) for _ in students]
+    before: list[dict] = [{} for _ in students]
+    runs: list[list] = [[] for _ in students]
+    computed: list[tuple[int, int] | None] = [None] * len(students)
+    outputs: list[tuple] = [() for _ in students]
+
+    def failed(i: int, where: str, exc: Exception) -> None:
+        records[i].errors.append(f"{where}: {exc}"[:240])
+
+    def arrive(i: int) -> str:
+        try:
+            status, before[i] = students[i].arrive(scenario.name)
+            return status
+        except Exception as exc:
+            failed(i, "arriving", exc)
+            return ""
+
+    statuses = list(pool.map(arrive, range(len(students))))
+    engine = next((s for s in statuses if s), "?").removeprefix("✅ You are on ").replace("**", "")
+    first_press, last_end = None, time.monotonic()
+    for button in presses:
+        if button == "follow_up":  # the button's work is the page's own: no call
+            for i in range(len(students)):
+                if not records[i].errors:
+                    turns = follow_up_prompts(scenario.prefix, prompts[i], outputs[i][: len(prompts[i])])
+                    if turns is None:
+                        failed(i, "follow-up turn", ValueError("a panel had no answer, or the turn is too long"))
+                    prompts[i] = turns or prompts[i]
+            continue
+        offsets = [PRESS_SPREAD_S * k / len(students) for k in range(len(students))]
+        rng.shuffle(offsets)
+        start = time.monotonic() + 0.05  # every student is at the barrier: the presses begin now
+        first_press = first_press or start
+
+        def press(i: int, at: float, button: str = button) -> None:
+            if records[i].errors:  # it could not arrive, or its last press failed: it sits this one out
+                return
+            args = run_args(prompts[i], min(scenario.max_tokens, max_tokens or scenario.max_tokens), scenario.prefix)
+            args["cache_namespace"] = scenario.namespace  # as the scenario sets it in the page
+            time.sleep(max(at - time.monotonic(), 0.0))
+            try:
+                result, after = students[i].press(button, args, len(prompts[i]), records[i])
+                outputs[i] = result.outputs
+                if button == "run":
+                    runs[i].append(read_panels(after, len(prompts[i])))
+                    records[i].cached.append([p.cached_tokens for p in runs[i][-1]])
+                else:
+                    computed[i] = read_computed(str(after[-1]))
+            except Exception as exc:
+                failed(i, button, exc)
+
+        list(pool.map(press, range(len(students)), [start + o for o in offsets]))
+        last_end = time.monotonic()
+    for i, record in enumerate(records):
+        if record.errors:
+            continue
+        if promises.promise(step) is None:
+            record.promise = "nothing promised"
+            continue
+        try:
+            evicted = students[i].stats()["evictions"] - before[i]["evictions"]
+            seen = promises.Seen(before[i]["page_size"], tuple(runs[i]), evicted, computed[i])
+            record.broken = promises.check(step, seen)
+            record.promise = "broken" if record.broken else "kept"
+        except Exception as exc:
+            failed(i, "reading the promise", exc)
+    seconds = last_end - first_press if first_press else 0.0
+    return StepRound(index + 1, step.title, round_, presses, engine, seconds, records)
+
+
+def run_lockstep(
+    url: str,
+    clients: int = 30,
+    steps: list[int] | None = None,
+    rounds: int = 1,
+    max_tokens: int | None = None,
+    seed: int = 0,
+    app_pid: int | None = None,
+    job_timeout: float = 300.0,
+    call_timeout: float = 120.0,
+    progress: Callable[[str], None] | None = None,
+) -> LockstepReport:
+    """A class of ``clients`` students in lockstep through the lesson's ``steps`` (0-based; all by default),
+    ``rounds`` times over: see ``_walk_step``. ``max_tokens``: a cap on each step's own (None: the step's);
+    ``progress``: told each step's summary as it ends."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from astrai.playground.scenarios import LESSON
+
+    steps = list(range(len(LESSON))) if steps is None else steps
+    report = LockstepReport(clients, rounds)
+    report.config = (
+        f"{clients} students, steps {', '.join(str(i + 1) for i in steps)}, {rounds} round(s), presses spread over "
+        f"{PRESS_SPREAD_S:.0f} s, max tokens {'each step' + chr(39) + 's own' if max_tokens is None else max_tokens}"
+    )
+    if app_pid is not None:
+        report.memory_kb["start"] = process_memory_kb(app_pid).get("VmRSS", 0)
+    tls = ssl.create_default_context()  # one TLS context for every request (see run_load)
+    rng = random.Random(seed)
+    with ThreadPoolExecutor(max_workers=clients) as pool:
+        students = list(pool.map(lambda i: _Student(i, url, tls, call_timeout, job_timeout), range(clients)))
+        for round_ in range(rounds):
+            for index in steps:
+                report.steps.append(_walk_step(students, index, round_, pool, rng, max_tokens))
+                if progress is not None:
+                    progress(json.dumps(report.steps[-1].summary(), ensure_ascii=False))
+    if app_pid is not None:
+        memory = process_memory_kb(app_pid)
+        report.memory_kb |= {"after": memory.get("VmRSS", 0), "peak": memory.get("VmHWM", 0)}
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", help="a running playground; by default app.py is started on loopback")
     parser.add_argument("--clients", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=48, help="a cap on every scenario's max tokens")
+    parser.add_argument("--rounds", type=int, default=None, help="3 by default; with --lockstep, 1")
+    parser.add_argument(
+        "--max-tokens", type=int, default=None, help="a cap on every scenario's max tokens (48; --lockstep: none)"
+    )
     parser.add_argument("--cancel-rate", type=float, default=0.25, help="the share of runs cancelled mid-stream")
     parser.add_argument(
         "--spread",
@@ -649,6 +1016,14 @@ def main() -> None:
         help="spread the users over the scenarios (weighted when given alone; see above)",
     )
     parser.add_argument("--custom", type=int, default=None, help="users on their own Engine settings (--spread: 1)")
+    parser.add_argument(
+        "--lockstep", action="store_true", help="a class in lockstep through the lesson's steps (see above)"
+    )
+    parser.add_argument("--steps", default="all", help="with --lockstep: 'all', or step numbers such as 1,3,8")
+    parser.add_argument("--json", type=Path, help="with --lockstep: also write the report here, as JSON")
+    parser.add_argument(
+        "--job-timeout", type=float, default=300.0, help="with --lockstep: a run still streaming after this is an error"
+    )
     parser.add_argument("--queue-size", type=int, default=None, help="ASTRAI_QUEUE_SIZE for the started app")
     parser.add_argument("--max-batch", type=int, default=None, help="ASTRAI_MAX_BATCH_SIZE for the started app")
     parser.add_argument("--concurrency", type=int, default=None, help="ASTRAI_RUN_CONCURRENCY for the started app")
@@ -656,6 +1031,18 @@ def main() -> None:
     args = parser.parse_args()
     if args.custom and not args.spread:
         parser.error("--custom needs --spread")
+    if args.lockstep and (args.spread or args.custom):
+        parser.error("--lockstep walks the lesson's steps: it takes neither --spread nor --custom")
+    if args.json and not args.lockstep:
+        parser.error("--json needs --lockstep")
+    if args.clients < 1 or (args.rounds is not None and args.rounds < 1):
+        parser.error("--clients and --rounds take a count of 1 or more")
+    steps: list[int] = []
+    if args.lockstep:
+        try:
+            steps = parse_steps(args.steps)
+        except ValueError as exc:
+            parser.error(str(exc))
     knobs = {
         "ASTRAI_QUEUE_SIZE": args.queue_size,
         "ASTRAI_MAX_BATCH_SIZE": args.max_batch,
@@ -664,15 +1051,32 @@ def main() -> None:
     env = {name: str(value) for name, value in knobs.items() if value is not None}
     with contextlib.ExitStack() as stack:
         launched = None if args.url else stack.enter_context(start_app(env, app=args.app))
+        url, pid = args.url or launched.url, None if launched is None else launched.pid
+        if args.lockstep:
+            lockstep = run_lockstep(
+                url,
+                args.clients,
+                steps,
+                args.rounds or 1,
+                args.max_tokens,
+                app_pid=pid,
+                job_timeout=args.job_timeout,
+                progress=lambda line: print(line, file=sys.stderr, flush=True),
+            )
+            for line in lockstep.lines():
+                print(line)
+            if args.json:
+                args.json.write_text(json.dumps(lockstep.as_json(), indent=1, ensure_ascii=False))
+            return
         report = run_load(
-            args.url or launched.url,
+            url,
             args.clients,
-            args.rounds,
-            args.max_tokens,
+            args.rounds or 3,
+            args.max_tokens or 48,
             args.cancel_rate,
             spread=args.spread,
             custom=args.custom,
-            app_pid=None if launched is None else launched.pid,
+            app_pid=pid,
         )
     for key, value in report.summary().items():
         print(f"{key}: {value}")
