@@ -22,20 +22,21 @@ def threads_named(name: str) -> int:
     """The OS threads of this process named ``name`` (a thread that ends while they are counted is not counted)."""
     count = 0
     for task in os.listdir("/proc/self/task"):
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # it ended meanwhile
             count += Path(f"/proc/self/task/{task}/comm").read_text().strip() == name
     return count
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task") or torch.get_num_threads() < 2, reason="Linux, 2 threads")
 def test_release_pool_frees_the_calling_threads_openmp_workers():
-    """Counts only the thread's own OpenMP team: the thread takes a name no other has, and the workers libgomp
-    starts for it inherit that name, so threads that other tests start or end meanwhile cannot change the count."""
-    name = "omp-team-probe"
+    """Counts only the thread's own OpenMP team: the thread takes a name no other has (its thread id: an OS name
+    has 15 characters at most), and the workers libgomp starts for it inherit that name, so threads that other
+    tests start or end meanwhile cannot change the count."""
     workers = torch.get_num_threads() - 1  # the calling thread is the team's first member
     counts = {}
 
     def compute_then_release():
+        name = f"omp-{threading.get_native_id()}"
         assert ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode(), 0, 0, 0) == 0
         a = torch.randn(512, 512)
         counts["idle"] = threads_named(name)
