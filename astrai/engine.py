@@ -106,6 +106,9 @@ class InferenceEngine:
     * **Observations** (events and the per-step history) sit behind their own ``_observed_lock``, taken after
       ``_lock`` (never the other way round) and held only to append or copy. ``events()`` and ``history()`` never
       wait for a schedule or a forward.
+    * The **explainer's key history** (``astrai.explain.LiveHistory``) gets each event from ``_emit`` as it is
+      stamped (``push`` only tries its lock, never waits) and is read by ``explain`` under that lock, taken with
+      no engine lock held.
     * No user code runs under either lock: text deltas and errors are put on the consumers' queues after
       ``_lock`` is released, and only by the loop thread, so each stream sees its items in order.
     * ``shutdown()`` only flags the loop and waits; the loop itself fails what is left, drops its KV tensors and
