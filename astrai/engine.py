@@ -19,7 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from astrai.checkpoints import load_checkpoint
 from astrai.detokenizer import IncrementalDetokenizer
 from astrai.device import resolve_device, uses_openmp
-from astrai.explain import Explanation, KeyHistory, explain
+from astrai.explain import Explanation, LiveHistory
 from astrai.kv_cache_manager import KVCacheManager
 from astrai.model_runner import SUPPORTED_DTYPES, ModelRunner, Preparation, kv_bytes_per_token
 from astrai.observation import (
@@ -106,6 +106,9 @@ class InferenceEngine:
     * **Observations** (events and the per-step history) sit behind their own ``_observed_lock``, taken after
       ``_lock`` (never the other way round) and held only to append or copy. ``events()`` and ``history()`` never
       wait for a schedule or a forward.
+    * The **explainer's key history** (``astrai.explain.LiveHistory``) gets each event from ``_emit`` as it is
+      stamped (``push`` only tries its lock, never waits) and is read by ``explain`` under that lock, taken with
+      no engine lock held.
     * No user code runs under either lock: text deltas and errors are put on the consumers' queues after
       ``_lock`` is released, and only by the loop thread, so each stream sees its items in order.
     * ``shutdown()`` only flags the loop and waits; the loop itself fails what is left, drops its KV tensors and
@@ -173,11 +176,16 @@ class InferenceEngine:
         self._events: deque[EngineEvent] = deque(maxlen=event_log_size)
         self._event_seq = 0
         self._history: deque[StepSample] = deque(maxlen=history_size)
-        self._explain_lock = threading.Lock()  # the explainer's key history: fed and read by ``explain`` callers only
-        self._keys = KeyHistory(max_keys=explain_keys, max_requests=max(keep_finished, 4096))
         self.steps = 0  # completed steps; events of the step in progress carry steps + 1
         self._generated_tokens = 0
 
+        self._explainer = LiveHistory(  # fed each event by ``_emit``; read by ``explain`` under a lock of its own
+            max_keys=explain_keys,
+            max_requests=max(keep_finished, 4096),
+            pages=n_pages,
+            page_size=page_size,
+            prefix_caching=prefix_caching,
+        )
         self.pool = PagePool(n_pages, page_size, emit=self._emit, eviction=eviction)
         self.cache = KVCacheManager(self.pool, prefix_caching)
         self.scheduler = Scheduler(self.cache, max_batch_size, max_batched_tokens, self._emit)
@@ -425,16 +433,13 @@ class InferenceEngine:
         requests the reader may see the tokens of (None: all; a page of someone else's is then never "diverged"
         nor "another namespace" to them, only "new").
 
-        Built on the caller's thread from this engine's own observation only: the events since the last call feed
-        its key history (at most ``explain_keys`` keys; cached ones are never dropped), under a lock of its own,
-        never ``_lock``. The event log is a ring of ``event_log_size``: where more events than that passed between
-        two calls, the causes they could change read "events lost", never a guess.
+        Built on the caller's thread from this engine's own observation only: every event feeds its key history as
+        it is emitted (``astrai.explain.LiveHistory``: none is lost, whatever the ring of ``event_log_size`` drops;
+        at most ``explain_keys`` keys plus the pool's pages), read under a lock of its own, never ``_lock``. A
+        request admitted in the step still running reads ``IN_PROGRESS`` until that step ends.
         """
-        infos = self.request_info(request_ids)  # first: every admission these show is among the events read next
-        with self._explain_lock:
-            self._keys.feed(self.events(after=self._keys.last_seq))
-            page_size, caching = self.pool.page_size, self.cache.prefix_caching  # settings, fixed at construction
-            return explain(self._keys, infos, page_size=page_size, prefix_caching=caching, viewer_owns=viewer_owns)
+        infos = self.request_info(request_ids)  # first: every admission these show was pushed before ...
+        return self._explainer.explain(infos, self.steps, viewer_owns)  # ... the steps completed, read after them
 
     def shutdown(self, timeout: float = 10.0) -> bool:
         """Stop the loop; unfinished requests get an ``EngineClosedError``.
@@ -676,10 +681,13 @@ class InferenceEngine:
         return outbox
 
     def _emit(self, event: type[EngineEvent], **fields: Any) -> None:
-        """Stamp and log one event (called under ``_lock`` by the loop, the pool and the scheduler)."""
+        """Stamp and log one event, and feed it to the explainer (called under ``_lock`` by the loop, the pool and
+        the scheduler: one at a time, in ``seq`` order)."""
         with self._observed_lock:
             self._event_seq += 1
-            self._events.append(event(seq=self._event_seq, step=self.steps + 1, time=time.time(), **fields))
+            stamped = event(seq=self._event_seq, step=self.steps + 1, time=time.time(), **fields)
+            self._events.append(stamped)
+        self._explainer.push(stamped)
 
 
 Delivery = tuple[queue.SimpleQueue, tuple[int, str, Any]]

@@ -233,13 +233,19 @@ def test_a_request_not_admitted_yet_was_not_looked_up(model, tokenizer):
 # --- what the history cannot tell ----------------------------------------------------------------------------
 
 
-def test_events_lost_from_the_ring_make_a_miss_unknown_not_new(model, tokenizer):
-    with InferenceEngine(model, tokenizer, page_size=4, n_pages=64, event_log_size=8, compile=False) as engine:
-        run(engine, [tuple(range(200, 240))])  # more events than the ring holds
-        (request,) = run(engine, [PROMPT])
-        x = explained(engine, [request])[0]
-        assert causes(x) == [(0, 16, Cause.UNKNOWN), (16, 17, Cause.LAST_TOKEN)]
-        assert x.segments[0].unknown is Unknown.EVENTS_LOST
+def test_events_lost_between_two_feeds_make_a_miss_unknown_not_new(engine):
+    """A history fed with a gap in ``seq`` (a feeder that fell behind a ring, a server's lost events; never an
+    engine's own, which feeds every event as it goes: ``test_explain_lasting.py``)."""
+    run(engine, [tuple(range(200, 240))])
+    (request,) = run(engine, [PROMPT])
+    events = engine.events()
+    history = KeyHistory()
+    history.feed(events[:3])
+    history.feed(events[10:])  # seven events lost
+    infos = engine.request_info([request])
+    (x,) = checked(explain(history, infos, page_size=4), infos)
+    assert causes(x) == [(0, 16, Cause.UNKNOWN), (16, 17, Cause.LAST_TOKEN)]
+    assert x.segments[0].unknown is Unknown.EVENTS_LOST and history.gaps == 1
 
 
 def test_keys_dropped_by_the_bound_make_a_miss_forgotten_and_a_new_page_stays_new(engine):

@@ -10,6 +10,10 @@ then each child of the previous key with the next page's tokens (a key is a hash
 ``(parent, tokens)`` names one key without the salt). Then, in this order:
 
 * ``CACHING_OFF``: the engine looked nothing up; ``NOT_ADMITTED``: no lookup yet (``cached_tokens`` None).
+* ``IN_PROGRESS``: admitted in a step after ``completed_step`` (the step still running): the pages that step
+  stores, which the request may share, are not stored yet, so any cause told now could change when it ends.
+* ``UNKNOWN`` (``CONFLICT``), the whole prompt: ``cached_tokens`` is impossible (negative, or not below the prompt's
+  length; a hit stops at ``len - 1``), as a server's usage may report.
 * ``CACHED``: the first ``cached_tokens``; the page is the stay that held the key at the lookup, else one stored
   later in the same step by a request scheduled before (a *pending* page, computed once for prompts submitted
   together: ``same_step``).
@@ -20,8 +24,10 @@ then each child of the previous key with the next page's tokens (a key is a hash
 * A missed page whose own key still held the page at the lookup, behind an earlier missed page: that earlier page's
   cause, ``stranded_behind`` it (a page serves only after every page before it). The first missed page itself held
   at the lookup cannot be, by the engine's rules: ``UNKNOWN`` (events lost, or a conflict), except that against a
-  caller's estimate of the moment (``looked_up_after``) a stay that ended after it reads as evicted.
-* ``EVICTED`` / ``CLEARED``: the key's last stay before the lookup ended so (for whom, and first of how many).
+  caller's estimate of the moment (``looked_up_after``) a stay that ended after it, and no later than the request
+  ended (``ended_after``), reads as evicted: an eviction after the request ran never rewrites its explanation.
+* ``EVICTED`` / ``CLEARED``: the key's last stay before the lookup ended so (for whom, and first of how many);
+  ``UNKNOWN`` (events lost) where no event ended it (the history's ``max_live`` bound did).
 * ``OTHER_REPLICA``: another replica held the whole chain to this page at the lookup (replicas share one ``seq``
   clock, as a fleet's samplers do). ``OTHER_NAMESPACE``: another namespace on the serving replica held it (or was
   computing it in the same step).
@@ -70,6 +76,7 @@ class _Lookup:
     step: int | None  # the admission's step; None where only a caller's estimate of ``at`` is known
     namespace: bytes | None
     replica: int
+    ended: int | None = None  # with an estimate: the last seq fed when the request ended (None: not ended, or unknown)
 
 
 def explain(
@@ -81,6 +88,8 @@ def explain(
     viewer_owns: Callable[[int | None], bool] | None = None,
     served_by: Mapping[int, int] | None = None,
     looked_up_after: Mapping[int, int] | None = None,
+    ended_after: Mapping[int, int] | None = None,
+    completed_step: int | None = None,
 ) -> list[Explanation]:
     """One ``Explanation`` per request, in order.
 
@@ -88,15 +97,25 @@ def explain(
     request -> the replica that served it (default: its admission's replica, else 0). ``looked_up_after``: request
     -> the last ``seq`` fed before it was looked up, for a backend whose history has no ``RequestAdmitted`` (a vLLM
     server): its misses are then judged as of that moment, and a page held then but not served reads as evicted if
-    its stay ended after it (while the request waited for its turn).
+    its stay ended after it (while the request waited for its turn). ``ended_after``: request -> the last ``seq``
+    fed when it ended, for the same backends: a stay that ended after it is not its cause. ``completed_step``: the
+    last step whose events are all in the history (an engine's completed steps; None: every step's are): a request
+    admitted after it reads ``IN_PROGRESS``.
     """
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
+    moments = _Moments(looked_up_after or {}, ended_after or {}, completed_step)
     owns = viewer_owns or _everyone
-    return [
-        _explain_one(history, info, page_size, prefix_caching, owns, served_by or {}, looked_up_after or {})
-        for info in requests
-    ]
+    return [_explain_one(history, info, page_size, prefix_caching, owns, served_by or {}, moments) for info in requests]
+
+
+@dataclass(frozen=True)
+class _Moments:
+    """What the caller knows of when requests ran, and how far the history is complete (``explain``'s arguments)."""
+
+    looked_up_after: Mapping[int, int]
+    ended_after: Mapping[int, int]
+    completed_step: int | None
 
 
 def _everyone(request: int | None) -> bool:
@@ -110,20 +129,26 @@ def _explain_one(
     prefix_caching: bool,
     owns: Callable[[int | None], bool],
     served_by: Mapping[int, int],
-    looked_up_after: Mapping[int, int],
+    moments: _Moments,
 ) -> Explanation:
     admission = history.admission(info.id)
     replica = served_by.get(info.id, admission.replica if admission is not None else 0)
     length = len(info.prompt_ids)
+    done = moments.completed_step
     if not prefix_caching:
         segments = [Segment(0, length, Cause.CACHING_OFF)]
     elif info.cached_tokens is None:
         segments = [Segment(0, length, Cause.NOT_ADMITTED)]
+    elif not 0 <= info.cached_tokens <= max(length - 1, 0):
+        segments = [Segment(0, length, Cause.UNKNOWN, unknown=Unknown.CONFLICT)] if length else []
+    elif admission is not None and done is not None and admission.step > done:
+        segments = [Segment(0, length, Cause.IN_PROGRESS)] if length else []
     else:
         if admission is not None:
             lookup = _Lookup(admission.seq, admission.step, admission.namespace, replica)
-        elif info.id in looked_up_after:
-            lookup = _Lookup(looked_up_after[info.id] + 1, None, None, replica)
+        elif info.id in moments.looked_up_after:
+            ended = moments.ended_after.get(info.id)
+            lookup = _Lookup(moments.looked_up_after[info.id] + 1, None, None, replica, ended)
         else:
             lookup = _Lookup(None, None, None, replica)
         segments = _Prompt(history, lookup, info.prompt_ids, page_size, owns).segments(info.cached_tokens)
@@ -207,7 +232,8 @@ class _Prompt:
             return _Fact(Cause.UNKNOWN, unknown=Unknown.NO_ADMISSION)
         held = self._held(i)
         if held is not None:  # held at the lookup and the first miss: only a caller's estimate of ``at`` explains it
-            if self.lookup.step is None and held[1].end_seq is not None:
+            end, until = held[1].end_seq, self.lookup.ended
+            if self.lookup.step is None and end is not None and (until is None or end <= until):
                 return self._ended(*held)
             lost = self.history.incomplete_before(at) is Unknown.EVENTS_LOST
             return _Fact(Cause.UNKNOWN, unknown=Unknown.EVENTS_LOST if lost else Unknown.CONFLICT)
@@ -234,6 +260,8 @@ class _Prompt:
         return any(rec.forgotten_before(at) for rec in self._own(i))
 
     def _ended(self, record: KeyRecord, life: Life) -> _Fact:
+        if life.lost:
+            return _Fact(Cause.UNKNOWN, unknown=Unknown.EVENTS_LOST)
         return _Fact(Cause.CLEARED if life.cleared else Cause.EVICTED, page=self._life(record, life, with_end=True))
 
     # ----- the request's own chain --------------------------------------------------------------------
@@ -244,7 +272,7 @@ class _Prompt:
         chain: list[list[KeyRecord]] = []
         parents: list[Parent] = [(replica, None, self.lookup.namespace)]
         for tokens in self.pages:
-            found = [rec for parent in parents for rec in self.history.children(parent).get(tokens, ())]
+            found = [rec for parent in parents for rec in self.history.children(parent, tokens)]
             if not found:
                 if any(self.history.was_dropped(parent, tokens) for parent in parents):
                     self.forgotten_from = len(chain)
@@ -335,7 +363,7 @@ class _Prompt:
         for i, tokens in enumerate(self.pages):
             if i:
                 parents = [(rec.replica, rec.key, None) for rec, _ in frontier]
-                children = (child for parent in parents for child in self.history.children(parent).get(tokens, ()))
+                children = (child for parent in parents for child in self.history.children(parent, tokens))
                 frontier = [(child, life) for child in children if (life := hold(child)) is not None]
             if not frontier:
                 break
@@ -362,10 +390,8 @@ class _Prompt:
             parents = [(replica, rec.key, None) for rec in self.own[i - 1]]
         best: tuple[int, int, KeyRecord, Life] | None = None
         for parent in parents:
-            if i == 0:  # after the empty prefix every first page is a sibling: only those sharing a first token
-                candidates = self.history.children_from(parent, page[0])
-            else:
-                candidates = [rec for recs in self.history.children(parent).values() for rec in recs]
+            # after the empty prefix every first page is a sibling: only those sharing a first token
+            candidates = self.history.children_from(parent, page[0]) if i == 0 else self.history.all_children(parent)
             for rec in candidates:
                 life = self._available(rec) if rec.tokens != page else None
                 if life is None or not self.owns(life.request):

@@ -14,21 +14,26 @@ Invariants and bounds:
   lost (the engine's ring of ``event_log_size`` overflowed between two reads). That gap is recorded, and every
   answer a lost event could change says "events lost" rather than guess.
 * At most ``max_keys`` keys are kept: past it, the evicted or cleared key whose last stay ended first is dropped.
-  Keys of cached pages are never dropped (they are at most the pools' pages, by which the history may exceed the
-  bound), so every hit can name its storer. Of each key the last ``LIVES_KEPT`` stays are kept.
+  Keys of cached pages are never dropped, so every hit can name its storer; they are at most ``max_live`` per
+  replica (its pool's pages), so the history never holds more than ``max_keys + max_live`` keys per replica,
+  whatever was lost. A store past ``max_live`` proves an eviction was lost: the stay stored first among the cached
+  ends there, ``lost`` (its end is unknown; an answer resting on it says "events lost"). Of each key the last
+  ``LIVES_KEPT`` stays are kept.
 * A dropped key leaves a fingerprint (a hash of its parent and tokens; the newest ``FINGERPRINTS_PER_KEY *
   max_keys``), so a page that was stored before the kept history reads "forgotten", while one never stored still
   reads new. Past the fingerprints' bound, nothing proves a page new any more: every such answer says "forgotten".
   First admissions: the newest ``max_requests``.
-* Each event costs O(1) amortized (a clear: O(pages it ends)).
+* Each event costs O(1) amortized (a clear: O(pages it ends)): the indexes are dicts by node, so dropping a key
+  never scans its siblings.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from astrai.explain.records import Unknown
 from astrai.observation import CacheCleared, EngineEvent, PageEvicted, PageStored, RequestAdmitted
@@ -38,8 +43,12 @@ FINGERPRINTS_PER_KEY = 4  # dropped keys remembered by fingerprint, per key kept
 
 Tokens = tuple[int, ...]
 Parent = tuple[int, bytes | None, bytes | None]  # (replica, parent key, namespace of a chain's first page)
+Node = tuple[int, bytes]  # (replica, key): one record
+Records = dict[Node, "KeyRecord"]  # records by node, in the order stored: removing one is O(1)
 
-_NO_CHILDREN: Mapping[Tokens, list[KeyRecord]] = {}
+_NONE: Records = {}
+_NO_CHILDREN: Mapping[Tokens, Records] = {}
+_K = TypeVar("_K")
 
 
 @dataclass(slots=True)
@@ -54,6 +63,7 @@ class Life:
     cleared: bool = False
     evicted_for: int | None = None
     evictable: int | None = None
+    lost: bool = False  # ended by no event seen: ``max_live`` proved it gone by ``end_seq``, its true end is unknown
 
 
 @dataclass(slots=True)
@@ -114,10 +124,14 @@ class KeyHistory:
     """The prefix caches' history, fed in ``seq`` order; bounded (see the module docstring). Not thread-safe: its
     owner feeds and reads it under one lock."""
 
-    def __init__(self, max_keys: int = 16384, max_requests: int = 4096) -> None:
+    def __init__(self, max_keys: int = 16384, max_requests: int = 4096, max_live: int | None = None) -> None:
+        """``max_live``: the most pages a replica's cache can hold (None: not known, no bound on cached keys)."""
         if max_keys < 1 or max_requests < 1:
             raise ValueError(f"max_keys and max_requests must be >= 1, got {max_keys} and {max_requests}")
+        if max_live is not None and max_live < 1:
+            raise ValueError(f"max_live must be >= 1 or None, got {max_live}")
         self.max_keys = max_keys
+        self.max_live = max_live
         self.max_requests = max_requests
         self.last_seq = 0
         self.gaps = 0  # how many times events were lost
@@ -126,12 +140,12 @@ class KeyHistory:
         self._dropped: OrderedDict[int, int] = OrderedDict()  # fingerprint of a dropped key -> its first stored seq
         self.namespaces_known = True  # False once a chain's first page came without its namespace (vLLM)
         self._forgotten_from: int | None = None  # the earliest stored seq of a fingerprint dropped in turn
-        self._records: dict[tuple[int, bytes], KeyRecord] = {}
-        self._children: dict[Parent, dict[Tokens, list[KeyRecord]]] = {}
-        self._by_first: dict[tuple[Parent, int], list[KeyRecord]] = {}  # children by their first token
-        self._roots: dict[Tokens, list[KeyRecord]] = {}  # first pages by tokens: every replica, every namespace
-        self._live: dict[int, dict[bytes, KeyRecord]] = {}  # per replica: the keys cached now
-        self._dead: OrderedDict[tuple[int, bytes], None] = OrderedDict()  # not cached, by the end of their last stay
+        self._records: Records = {}
+        self._children: dict[Parent, dict[Tokens, Records]] = {}
+        self._by_first: dict[tuple[Parent, int], Records] = {}  # children by their first token
+        self._roots: dict[Tokens, Records] = {}  # first pages by tokens: every replica, every namespace
+        self._live: dict[int, dict[bytes, KeyRecord]] = {}  # per replica: the keys cached now, in the order stored
+        self._dead: OrderedDict[Node, None] = OrderedDict()  # not cached, by the end of their last stay
         self._admissions: OrderedDict[int, Admission] = OrderedDict()
         self._evicting: dict[int, int] = {}  # request -> first seq of an eviction for it, this step, before admission
         self._evicting_step = 0
@@ -140,16 +154,17 @@ class KeyHistory:
     def feed(self, events: Iterable[EngineEvent], replica: int = 0) -> None:
         """Apply events of one replica, oldest first; those fed already are skipped, a gap is noted."""
         for event in events:
-            self._apply(event, replica)
+            self.feed_one(event, replica)
 
     def feed_fleet(self, per_replica: Sequence[Iterable[EngineEvent]]) -> None:
         """Apply several replicas' events numbered by one clock (a fleet's samplers share it): replica ``r`` is the
         ``r``-th list. They are merged by ``seq``, so a gap is one in the fleet's shared order."""
         tagged = [[(event.seq, r, event) for event in events] for r, events in enumerate(per_replica)]
         for _, replica, event in heapq.merge(*tagged, key=lambda t: (t[0], t[1])):
-            self._apply(event, replica)
+            self.feed_one(event, replica)
 
-    def _apply(self, event: EngineEvent, replica: int) -> None:
+    def feed_one(self, event: EngineEvent, replica: int = 0) -> None:
+        """Apply one event of ``replica`` (``feed``'s step): skipped if fed already, a gap noted."""
         if event.seq <= self.last_seq:
             return
         if event.seq != self.last_seq + 1:
@@ -176,19 +191,26 @@ class KeyHistory:
             record = KeyRecord(replica, event.key, parent, event.token_ids, namespace)
             record.dropped_from = self._dropped.pop(_fingerprint(parent, record.tokens), None)
             self._records[node] = record
-            self._children.setdefault(parent, {}).setdefault(record.tokens, []).append(record)
+            self._children.setdefault(parent, {}).setdefault(record.tokens, {})[node] = record
             if record.tokens:
-                self._by_first.setdefault((parent, record.tokens[0]), []).append(record)
+                self._by_first.setdefault((parent, record.tokens[0]), {})[node] = record
             if event.parent_key is None:
-                self._roots.setdefault(record.tokens, []).append(record)
+                self._roots.setdefault(record.tokens, {})[node] = record
         elif record.lives and record.lives[-1].end_seq is None:
             return  # cached already: a second store of one key changes nothing
         record.lives.append(Life(event.seq, event.step, event.request))
         if len(record.lives) > LIVES_KEPT:
             dropped = record.lives.pop(0).stored_seq
             record.dropped_from = dropped if record.dropped_from is None else record.dropped_from
-        self._live.setdefault(replica, {})[event.key] = record
+        live = self._live.setdefault(replica, {})
+        live[event.key] = record
         self._dead.pop(node, None)
+        if self.max_live is not None and len(live) > self.max_live:  # an eviction was lost: end the oldest stay
+            key = next(iter(live))
+            lost = live.pop(key).lives[-1]
+            self._end(lost, event)
+            lost.lost = True
+            self._dead[(replica, key)] = None
         while len(self._records) > self.max_keys and self._dead:
             self._drop(self._dead.popitem(last=False)[0])
 
@@ -236,24 +258,16 @@ class KeyHistory:
         while len(self._admissions) > self.max_requests:
             self._admissions.popitem(last=False)
 
-    def _drop(self, node: tuple[int, bytes]) -> None:
+    def _drop(self, node: Node) -> None:
         record = self._records.pop(node)
         siblings = self._children[record.parent]
-        siblings[record.tokens].remove(record)
-        if not siblings[record.tokens]:
-            del siblings[record.tokens]
-            if not siblings:
-                del self._children[record.parent]
+        _unindex(siblings, record.tokens, node)
+        if not siblings:
+            del self._children[record.parent]
         if record.tokens:
-            first = (record.parent, record.tokens[0])
-            self._by_first[first].remove(record)
-            if not self._by_first[first]:
-                del self._by_first[first]
+            _unindex(self._by_first, (record.parent, record.tokens[0]), node)
         if record.parent[1] is None:
-            roots = self._roots[record.tokens]
-            roots.remove(record)
-            if not roots:
-                del self._roots[record.tokens]
+            _unindex(self._roots, record.tokens, node)
         self.forgotten += 1
         stored = record.lives[0].stored_seq if record.dropped_from is None else record.dropped_from
         self._dropped[_fingerprint(record.parent, record.tokens)] = stored
@@ -262,17 +276,26 @@ class KeyHistory:
             self._forgotten_from = seq if self._forgotten_from is None else min(self._forgotten_from, seq)
 
     # ----- reading ----------------------------------------------------------------------------------
-    def children(self, parent: Parent) -> Mapping[Tokens, list[KeyRecord]]:
-        """The keys ever stored (and kept) after ``parent``, by their tokens."""
-        return self._children.get(parent, _NO_CHILDREN)
+    def children(self, parent: Parent, tokens: Tokens) -> Collection[KeyRecord]:
+        """The keys ever stored (and kept) after ``parent`` with these tokens."""
+        return self._children.get(parent, _NO_CHILDREN).get(tokens, _NONE).values()
 
-    def children_from(self, parent: Parent, first_token: int) -> list[KeyRecord]:
+    def all_children(self, parent: Parent) -> Iterator[KeyRecord]:
+        """Every key ever stored (and kept) after ``parent``."""
+        for records in self._children.get(parent, _NO_CHILDREN).values():
+            yield from records.values()
+
+    def children_from(self, parent: Parent, first_token: int) -> Collection[KeyRecord]:
         """The keys after ``parent`` whose tokens start with ``first_token``."""
-        return self._by_first.get((parent, first_token), [])
+        return self._by_first.get((parent, first_token), _NONE).values()
 
-    def roots(self, tokens: Tokens) -> list[KeyRecord]:
+    def roots(self, tokens: Tokens) -> Collection[KeyRecord]:
         """Chains' first pages holding ``tokens``, on every replica and in every namespace."""
-        return self._roots.get(tokens, [])
+        return self._roots.get(tokens, _NONE).values()
+
+    def cached_keys(self, replica: int = 0) -> int:
+        """The keys the history holds as cached now on ``replica`` (at most ``max_live``)."""
+        return len(self._live.get(replica, {}))
 
     def was_dropped(self, parent: Parent, tokens: Tokens) -> bool:
         """Whether a key with these tokens after ``parent`` was stored and then dropped by the bound."""
@@ -293,6 +316,14 @@ class KeyHistory:
     def __len__(self) -> int:
         """Keys kept."""
         return len(self._records)
+
+
+def _unindex(index: dict[_K, Records], at: _K, node: Node) -> None:
+    """Remove ``node`` from ``index[at]`` (O(1)), and the entry once empty."""
+    records = index[at]
+    del records[node]
+    if not records:
+        del index[at]
 
 
 def _fingerprint(parent: Parent, tokens: Tokens) -> int:

@@ -2,7 +2,10 @@
 
 An ``Explanation`` covers one request's prompt with ``Segment``s, ``[start, end)`` token ranges in order, each with
 one ``Cause``: every prompt token is in exactly one segment, so ``counts`` sums to ``prompt_tokens``, and the
-``CACHED`` count is the engine's own ``cached_tokens`` (0 before the first admission). What a preemption made the
+``CACHED`` count is the engine's own ``cached_tokens`` (0 before the first admission), except in two typed states
+that cover the whole prompt: ``IN_PROGRESS`` (the admission's step is still running, so its pages are not all
+stored yet: read again once it ends) and ``UNKNOWN`` / ``CONFLICT`` for an impossible ``cached_tokens`` (negative,
+or the whole prompt: a server's usage is outside input). What a preemption made the
 request compute again is counted apart, as the cache statistics count re-admissions apart.
 """
 
@@ -27,6 +30,7 @@ class Cause(StrEnum):
     CACHING_OFF = "caching_off"  # the engine runs without prefix caching: nothing is looked up
     OTHER_REPLICA = "other_replica"  # another replica of the fleet held it (``Segment.page.replica``)
     NOT_ADMITTED = "not_admitted"  # never admitted (waiting, or ended before): nothing was looked up yet
+    IN_PROGRESS = "in_progress"  # admitted in the step still running: the causes are told once it ends
     UNKNOWN = "unknown"  # the kept history cannot tell: ``Segment.unknown`` says why
 
 
@@ -38,7 +42,8 @@ class Unknown(StrEnum):
     EVENTS_LOST = "events_lost"  # events between two read ones were lost (a gap in ``seq``): the page may have lived
     NO_ADMISSION = "no_admission"  # the request's lookup is not in the kept history, so its moment is unknown
     CONFLICT = "conflict"  # the history says it was cached at the lookup, yet it was not served (e.g. a vLLM server,
-    # whose events carry no salt, held it under another namespace; or a partly cached page)
+    # whose events carry no salt, held it under another namespace; or a partly cached page); or the reported
+    # ``cached_tokens`` is impossible (negative, or not below the prompt's length)
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,7 @@ class Explanation:
     request: int
     prompt_tokens: int
     cached_tokens: int | None  # the engine's own count (None: not admitted yet); equals ``counts[Cause.CACHED]``
+    # but where the whole prompt reads ``IN_PROGRESS`` or, the count being impossible, ``UNKNOWN`` (conflict)
     replica: int  # the replica that served it
     admitted_step: int | None  # the step of its first admission, where the history holds it
     segments: tuple[Segment, ...]

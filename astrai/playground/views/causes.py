@@ -27,6 +27,7 @@ CAUSES: dict[Cause, tuple[str, str]] = {
     Cause.OTHER_REPLICA: ("another replica", "#99f6e4"),
     Cause.CACHING_OFF: ("caching off", "#d1d5db"),
     Cause.NOT_ADMITTED: ("not looked up yet", "#f3f4f6"),
+    Cause.IN_PROGRESS: ("in progress", "#e0e7ff"),
     Cause.UNKNOWN: ("unknown", "#cbd5e1"),
 }
 TABLE_CAUSES = list(CAUSES)  # the request table's columns, in order: they add up to the prompt
@@ -98,6 +99,8 @@ def hover(segment: Segment, whose: Whose) -> str:
         line = f"{tokens} computed: prefix caching is off on this engine"
     elif cause is Cause.NOT_ADMITTED:
         line = f"{tokens}: not looked up yet"
+    elif cause is Cause.IN_PROGRESS:
+        line = f"{tokens}: looked up in the step still running; the causes are told when it ends"
     else:
         line = (
             f"{tokens}: cannot tell ({UNKNOWN_WORDS.get(segment.unknown, 'unknown') if segment.unknown else 'unknown'})"
@@ -126,11 +129,14 @@ def _ended(page: PageLife, whose: Whose) -> str:
 
 def summary(explanation: Explanation, skip: Collection[Cause] = ()) -> str:
     """A badge's line: "48 cached · 13 new · 16 evicted at step 41 · 7 partial page · 1 last token" (without the
-    causes in ``skip``)."""
+    causes in ``skip``); for a request looked up in the step still running, "causes told when its step ends"."""
     parts = []
     for cause, (words, _) in CAUSES.items():
         count = explanation.counts.get(cause, 0)
         if not count or cause is Cause.NOT_ADMITTED or cause in skip:
+            continue
+        if cause is Cause.IN_PROGRESS:  # the whole prompt: a count would read as a cause
+            parts.append("causes told when its step ends")
             continue
         when = ""
         if cause is Cause.EVICTED:

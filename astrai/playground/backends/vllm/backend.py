@@ -275,7 +275,17 @@ class VllmBackend:
         if router is not None:
             client, url = self._router_clients[router], self._routers[router].url
         where = self._where if len(self._replicas) > 1 else None
-        run = VllmRun(client, url, self._lock, self._outcomes, requests, payloads, where, routed=bool(self._routers))
+        run = VllmRun(
+            client,
+            url,
+            self._lock,
+            self._outcomes,
+            requests,
+            payloads,
+            where,
+            routed=bool(self._routers),
+            on_end=self._keys.ended,
+        )
         with self._lock:
             for panel, request in enumerate(requests):
                 self._runs[request.id] = (run, panel)

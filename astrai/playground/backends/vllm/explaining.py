@@ -2,9 +2,10 @@
 samplers turn into page records, each request judged as of its submission.
 
 A server publishes no request events: where the engine's history holds each request's admission, this holds the
-last event seen when the request was sent (``looked_up_after``), and a page cached then but not served reads as
-evicted where its stay ended while the request waited. Nor does a server send salts: another namespace cannot be
-told apart there (``Explanation.namespaces_known`` is False, and the view says so).
+last event seen when the request was sent (``looked_up_after``) and when it ended (``ended_after``), and a page
+cached when it was sent but not served reads as evicted where its stay ended before the request ended. An eviction
+after that never rewrites the explanation: it reads what it read when the request ran. Nor does a server send
+salts: another namespace cannot be told apart there (``Explanation.namespaces_known`` is False, and the view says so).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class ServerKeys:
         self._keys = KeyHistory()
         self._lock = threading.Lock()
         self._sent_after: dict[int, int] = {}  # request -> the last event seq fed when it was sent
+        self._ended_after: dict[int, int] = {}  # request -> the last event seq fed when it ended
 
     def sent(self, request_ids: Sequence[int]) -> None:
         """These requests are being sent now: their misses are judged as of the events the replicas' subscribers
@@ -36,9 +38,20 @@ class ServerKeys:
             for rid in request_ids:
                 self._sent_after[rid] = self._keys.last_seq
 
+    def ended(self, request_id: int) -> None:
+        """This request has ended (its stream closed): its misses are never blamed on a stay that ends later
+        (recorded after catching up, as ``sent``: the blocks its run evicted are in the subscribers now)."""
+        for replica in self._replicas:
+            replica.catch_up()
+        with self._lock:
+            self._feed()
+            if request_id in self._sent_after:
+                self._ended_after.setdefault(request_id, self._keys.last_seq)
+
     def forget(self, request_id: int) -> None:
         with self._lock:
             self._sent_after.pop(request_id, None)
+            self._ended_after.pop(request_id, None)
 
     def explain(
         self,
@@ -50,6 +63,7 @@ class ServerKeys:
         with self._lock:
             self._feed()
             after = {info.id: self._sent_after[info.id] for info in infos if info.id in self._sent_after}
+            ended = {info.id: self._ended_after[info.id] for info in infos if info.id in self._ended_after}
             return explain(
                 self._keys,
                 infos,
@@ -57,6 +71,7 @@ class ServerKeys:
                 viewer_owns=viewer_owns,
                 served_by=served_by,
                 looked_up_after=after,
+                ended_after=ended,
             )
 
     def _feed(self) -> None:

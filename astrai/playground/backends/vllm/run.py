@@ -139,10 +139,12 @@ class VllmRun:
         payloads: list[dict[str, Any]],
         where: Callable[[_Request], str | None] | None = None,
         routed: bool = False,
+        on_end: Callable[[int], None] | None = None,
     ):
         """``routed``: ``url`` is a router's. ``where``: for a fleet, words on where a failed request ran (its
-        replica, and which replicas do not answer now), added to its panel's message."""
-        self._client, self._where = client, where
+        replica, and which replicas do not answer now), added to its panel's message. ``on_end``: called with a
+        request's id on its stream's thread once it has ended, before its panel is told it is done."""
+        self._client, self._where, self._on_end = client, where, on_end
         self._peer = f"vLLM's router at {url}" if routed else f"the vLLM server at {url}"
         self._routed = routed
         self._state_lock, self._outcomes = lock, outcomes
@@ -227,7 +229,11 @@ class VllmRun:
             if stream is not None:
                 with contextlib.suppress(Exception):
                     stream.close()
-            self._queue.put((index, _DONE))
+            try:
+                if self._on_end is not None:
+                    self._on_end(request.id)
+            finally:  # the panel is told it is done whatever ``on_end`` does
+                self._queue.put((index, _DONE))
 
     def _on_chunk(self, request: _Request, chunk: Any, index: int) -> bool:
         """Apply one streamed chunk to its request; returns True when it carried the finish reason."""
