@@ -50,7 +50,8 @@ def check(url: str, timeout_s: float) -> list[str]:
         for chart in ("#plot_0 .js-plotly-plot", "#page_map .js-plotly-plot .heatmaplayer"):
             page.wait_for_selector(chart, state="attached", timeout=timeout_s * 1000)
         traces = page.evaluate(
-            "[...document.querySelectorAll('.js-plotly-plot')].map(p => (p.data || []).length).reduce((a, b) => a + b, 0)"
+            "[...document.querySelectorAll('.js-plotly-plot')]"
+            ".map(p => (p.data || []).length).reduce((a, b) => a + b, 0)"
         )
         assert traces > 0, "the cache charts drew no traces"
         lines.append(f"the cache charts drew ({traces} traces), the page map too")

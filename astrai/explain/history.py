@@ -21,7 +21,9 @@ Invariants and bounds:
   ``LIVES_KEPT`` stays are kept.
 * A dropped key leaves a fingerprint (a hash of its parent and tokens; the newest ``FINGERPRINTS_PER_KEY *
   max_keys``), so a page that was stored before the kept history reads "forgotten", while one never stored still
-  reads new. Past the fingerprints' bound, nothing proves a page new any more: every such answer says "forgotten".
+  reads new. A fingerprint dropped in turn is the history's horizon: a page stored only before it reads new, as far
+  as the history goes back (the causes view says so). No lookup is tainted for good by the bound, so a Space that
+  has run for weeks still tells a new prompt from an unknown one.
   First admissions: the newest ``max_requests``.
 * Each event costs O(1) amortized (a clear: O(pages it ends)): the indexes are dicts by node, so dropping a key
   never scans its siblings.
@@ -139,7 +141,6 @@ class KeyHistory:
         self.forgotten = 0  # keys dropped by the bound
         self._dropped: OrderedDict[int, int] = OrderedDict()  # fingerprint of a dropped key -> its first stored seq
         self.namespaces_known = True  # False once a chain's first page came without its namespace (vLLM)
-        self._forgotten_from: int | None = None  # the earliest stored seq of a fingerprint dropped in turn
         self._records: Records = {}
         self._children: dict[Parent, dict[Tokens, Records]] = {}
         self._by_first: dict[tuple[Parent, int], Records] = {}  # children by their first token
@@ -272,8 +273,7 @@ class KeyHistory:
         stored = record.lives[0].stored_seq if record.dropped_from is None else record.dropped_from
         self._dropped[_fingerprint(record.parent, record.tokens)] = stored
         while len(self._dropped) > FINGERPRINTS_PER_KEY * self.max_keys:
-            seq = self._dropped.popitem(last=False)[1]
-            self._forgotten_from = seq if self._forgotten_from is None else min(self._forgotten_from, seq)
+            self._dropped.popitem(last=False)
 
     # ----- reading ----------------------------------------------------------------------------------
     def children(self, parent: Parent, tokens: Tokens) -> Collection[KeyRecord]:
@@ -305,12 +305,10 @@ class KeyHistory:
         return None if request is None else self._admissions.get(request)
 
     def incomplete_before(self, at: int) -> Unknown | None:
-        """Why the history may miss any store before lookup moment ``at``: events lost, or keys dropped past their
-        fingerprints; else None."""
+        """Why the history may miss any store before lookup moment ``at``: events lost; else None. (Keys dropped by
+        the bound are told per key, by their fingerprints: ``was_dropped``.)"""
         if self.first_gap is not None and self.first_gap[0] + 1 < at:
             return Unknown.EVENTS_LOST
-        if self._forgotten_from is not None and self._forgotten_from < at:
-            return Unknown.FORGOTTEN
         return None
 
     def __len__(self) -> int:

@@ -20,7 +20,8 @@ class Cause(StrEnum):
     """Why a prompt token was, or was not, served from the prefix cache at the request's first admission."""
 
     CACHED = "cached"  # served: ``Segment.page`` says who stored the page (and whether in the very same step)
-    NEW = "new"  # no page with these tokens after this prefix was ever stored in this namespace before
+    # no page with these tokens after this prefix was stored in this namespace, as far as the history goes back
+    NEW = "new"
     EVICTED = "evicted"  # stored, then evicted before the lookup: ``Segment.page`` says when and for whom
     CLEARED = "cleared"  # stored, then dropped by a Clear cache before the lookup
     DIVERGED = "diverged"  # the viewer's own page after the same prefix differs from this one: ``Segment.divergence``

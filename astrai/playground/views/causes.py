@@ -72,7 +72,10 @@ def hover(segment: Segment, whose: Whose) -> str:
         stored = _stored(page, whose) if page is not None else "a page the history no longer holds"
         line = f"{tokens} served from the cache{where}: {stored}"
     elif cause is Cause.NEW:
-        line = f"{tokens} computed: no page with these tokens after this prefix was stored here before"
+        line = (
+            f"{tokens} computed: no page with these tokens after this prefix was stored here, as far as the app's "
+            "history goes back"
+        )
     elif cause in (Cause.EVICTED, Cause.CLEARED) and page is not None:
         line = f"{tokens} computed again: {_ended(page, whose)}"
     elif cause is Cause.DIVERGED and segment.divergence is not None:
