@@ -47,7 +47,11 @@ def test_the_playground_does_not_wait_for_a_compile_and_its_engines_switch_toget
 
     def in_child(checkpoint: str, dtype: str):
         asked.append((checkpoint, dtype))
-        return lambda _model: gate.wait(60) and None  # a child that failed to compile, once the test lets it
+
+        def build(_model) -> None:  # a child that failed to compile, once the test lets it end
+            gate.wait(60)
+
+        return build
 
     monkeypatch.setattr(precompile, "in_child", in_child)
     engines = LocalEngines(compile=None)
