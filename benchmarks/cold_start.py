@@ -10,7 +10,9 @@ Space does after every sleep and push, and times from the process's spawn:
 It also times each Run from its submit to its first text (TTFT): the first Run, then Runs one after another while
 the background compile goes on (their median), and one after the switch. The switch's moment is the app log's line
 for it. ``--warm N`` then starts the app N more times in the last round's HOME (the cache filled). Printed: min /
-median / max per figure, as a Markdown table, with the CPU and the load average.
+median / max per figure, as a Markdown table, with the CPU and the load average. ``--app OTHER/app.py`` starts
+another checkout's app (a version before this one, say: ``git archive COMMIT | tar -x -C DIR``); one whose stats
+line does not say which forward serves compiled before its page answered, and is timed so.
 """
 
 from __future__ import annotations
@@ -80,10 +82,11 @@ def _first_text(client, panels: list[str]) -> float:
     return first
 
 
-def _forward(client) -> str:
+def _forward(client) -> str | None:
+    """What the stats line says serves; None where it does not say (a version that compiled before serving)."""
     outputs = client.predict(api_name="/refresh")
     line = next(o for o in outputs if isinstance(o, str) and "pages ×" in o)
-    return line.rsplit("forward: ", 1)[-1]
+    return line.rsplit("forward: ", 1)[-1] if "forward: " in line else None
 
 
 def _switched_at(log: Path) -> float:
@@ -95,7 +98,7 @@ def _switched_at(log: Path) -> float:
     raise RuntimeError(f"{log} does not say when the compiled forward began to serve")
 
 
-def start(home: Path, log: Path) -> dict[str, float | None]:
+def start(home: Path, log: Path, app: Path) -> dict[str, float | None]:
     """One start of app.py with ``home`` as its HOME; its figures in seconds from the spawn."""
     from gradio_client import Client
 
@@ -106,19 +109,23 @@ def start(home: Path, log: Path) -> dict[str, float | None]:
     url = f"http://127.0.0.1:{port}/"
     with log.open("w") as out:
         spawned, spawned_wall = time.monotonic(), time.time()
-        proc = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, app.name], cwd=app.parent, env=env, stdout=out, stderr=subprocess.STDOUT
+        )
         try:
             page = _until(lambda: _page_answers(url), proc, "page")
             client = Client(url, verbose=False)
             submitted = time.monotonic()
             first = _first_text(client, ["Once upon a time", "The little dog"])
             during = []  # TTFTs of Runs sent while the app still serves eager
-            while _forward(client) != "**compiled**":
+            said = _forward(client)
+            while said not in (None, "**compiled**"):
                 if proc.poll() is not None or time.monotonic() - spawned > TIMEOUT_S:
                     raise RuntimeError("the app exited, or never served the compiled forward")
                 sent = time.monotonic()
                 text = _first_text(client, [f"Lily went to the park {len(during)}", f"The cat sat {len(during)}"])
                 during.append(text - sent)
+                said = _forward(client)
             submitted_after = time.monotonic()
             after = _first_text(client, ["Lily went to the park", "The cat sat"])
         finally:
@@ -127,7 +134,7 @@ def start(home: Path, log: Path) -> dict[str, float | None]:
     return {
         "page_s": page - spawned,
         "first_token_s": first - spawned,
-        "compiled_s": _switched_at(log) - spawned_wall,
+        "compiled_s": page - spawned if said is None else _switched_at(log) - spawned_wall,
         "ttft_first_s": first - submitted,
         "ttft_compiling_s": statistics.median(during) if during else None,
         "ttft_compiled_s": after - submitted_after,
@@ -151,6 +158,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3, help="cold starts, each in a fresh HOME")
     parser.add_argument("--warm", type=int, default=1, help="warm starts after them, in the last round's HOME")
+    parser.add_argument("--app", type=Path, default=ROOT / "app.py", help="the app.py to start (another checkout's)")
     parser.add_argument("--logs", type=Path, default=None, help="keep each start's app log in this folder")
     args = parser.parse_args()
     logs = args.logs or Path(tempfile.mkdtemp(prefix="astrai-cold-logs-"))
@@ -162,19 +170,19 @@ def main() -> None:
             if home is not None:
                 shutil.rmtree(home, ignore_errors=True)
             home = Path(tempfile.mkdtemp(prefix="astrai-home-"))
-            result = start(home, logs / f"cold-{round_ + 1}.log")
+            result = start(home, logs / f"cold-{round_ + 1}.log", args.app.resolve())
             results["cold"].append(result)
             print(f"cold {round_ + 1}: {result}", file=sys.stderr, flush=True)
         for round_ in range(args.warm if home is not None else 0):
             assert home is not None
-            result = start(home, logs / f"warm-{round_ + 1}.log")
+            result = start(home, logs / f"warm-{round_ + 1}.log", args.app.resolve())
             results["warm"].append(result)
             print(f"warm {round_ + 1}: {result}", file=sys.stderr, flush=True)
     finally:
         if home is not None:
             shutil.rmtree(home, ignore_errors=True)
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"CPU: {cpu_name()}; load average at the end (1/5/15 min): {load}; app logs in {logs}")
+    print(f"{args.app}\nCPU: {cpu_name()}; load average at the end (1/5/15 min): {load}; app logs in {logs}")
     print("min / median / max (one figure where one start)\n")
     print("| start | starts | " + " | ".join(FIGURES.values()) + " |")
     print("|---" * (2 + len(FIGURES)) + "|")
