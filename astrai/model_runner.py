@@ -149,9 +149,9 @@ class PreparedModel:
       the model's own ``_compile_lock``, not ``_prepared_lock``: a cold compile takes a minute, during which
       engines on other models start and stop freely; an engine on this model waits for it, then finds it made.
       Or, given a ``BackgroundCompile``, the first ``compile`` returns at once and the model serves eager
-      (``forward`` "compiling") while a thread builds it; that thread sets ``compiled`` and ``forward`` under the
-      ``SharedForwards`` lock, so the switch falls between two forwards, and every engine on the model (one built
-      later too: its ``compile`` finds it tried) serves the same forward from that step on.
+      (``forward_kind`` "compiling") while a thread builds it; that thread sets ``compiled`` and ``forward_kind``
+      under the ``SharedForwards`` lock, so the switch falls between two forwards, and every engine on the model
+      (one built later too: its ``compile`` finds it tried) serves the same forward from that step on.
     * The **forward** goes through ``forwards`` (``SharedForwards``, ``model_thread.py``): one at a time, and while
       several engines on the model are busy, on its one model thread: the packed layers'
       ``FusedProduct`` keeps per-call state, a compiled graph is not safe for two threads at once, and one thread
