@@ -28,6 +28,7 @@ import importlib
 import logging
 import os
 import sys
+import threading
 
 from astrai.playground import create_app
 
@@ -110,9 +111,30 @@ def check_knobs() -> None:
         sys.exit(f"app.py: {exc}")
 
 
+def build_kernels_while(module: str) -> None:
+    """Import ``module`` while the embedded engine's C kernels build (``native.py``): with an empty cache, as a
+    Space's every start has, gcc takes seconds per kernel, in processes of its own, which an import on this thread
+    does not wait for. Both are done before the engine is built (which then finds the kernels loaded)."""
+
+    def build() -> None:
+        from astrai.paged_kernel import load_paged_kernel
+        from astrai.skinny_linear import load_skinny_kernel
+
+        load_paged_kernel()
+        load_skinny_kernel()
+
+    kernels = threading.Thread(target=build, name="astrai-kernels", daemon=True)
+    kernels.start()
+    importlib.import_module(module)
+    kernels.join()
+
+
 ARGS = parse_args()
 check_knobs()
-demo = create_app(make_engines(ARGS), allow_hub_models=ARGS.allow_hub_models)
+engines = make_engines(ARGS)
+if engines is None:  # the embedded engine: its page answers within seconds of the process's start
+    build_kernels_while("gradio")
+demo = create_app(engines, allow_hub_models=ARGS.allow_hub_models)
 
 if __name__ == "__main__":
     demo.launch()

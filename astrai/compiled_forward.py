@@ -131,6 +131,17 @@ def load_or_compile(model: PreTrainedModel, progress: Progress | None = None) ->
         return _load(folder) or _compile_and_save(model, folder, progress)
 
 
+def load(model: PreTrainedModel) -> Compiled | None:
+    """``logits`` compiled for ``model`` as it is prepared now, if this machine's cache holds it; else None. It never
+    compiles, so it never traces the model: it reads the model's structure for the key, and nothing else, which is
+    why it may run on another thread while the model serves eager (``PreparedModel.compile``, in the background)."""
+    folder = cache_dir("compiled") / cache_key(model)
+    if not (folder / ARTIFACT).exists():
+        return None
+    with _lock, temporary_cache_dir(str(folder / "inductor")), torch.inference_mode():
+        return _load(folder)
+
+
 def _load(folder: Path) -> Compiled | None:
     artifact = folder / ARTIFACT
     if not artifact.exists():

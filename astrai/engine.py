@@ -21,7 +21,7 @@ from astrai.detokenizer import IncrementalDetokenizer
 from astrai.device import resolve_device, uses_openmp
 from astrai.explain import Explanation, LiveHistory
 from astrai.kv_cache_manager import KVCacheManager
-from astrai.model_runner import SUPPORTED_DTYPES, ModelRunner, Preparation, kv_bytes_per_token
+from astrai.model_runner import SUPPORTED_DTYPES, BackgroundCompile, ModelRunner, Preparation, kv_bytes_per_token
 from astrai.observation import (
     CacheCleared,
     CacheSnapshot,
@@ -87,7 +87,9 @@ class InferenceEngine:
     cache when this machine compiled that model before (seconds), else compiled now (a minute or so on 2 cores) and
     cached (``compiled_forward.py``); where it cannot be compiled (no C++ compiler), the engine logs a warning and
     serves eager. ``progress``, if given, is called with a line of text as a slow start goes (a cold compile), on the
-    constructor's thread.
+    constructor's thread. ``background_compile`` (the CPU only; e.g. ``precompile.in_child``) makes the start fast
+    instead: the engine serves eager at once while a thread builds the compiled forward with it, then switches to it
+    between two steps (``CacheStats.forward`` says which serves; ``model_runner.PreparedModel.compile``).
 
     Threads and locks (who owns what):
 
@@ -135,6 +137,7 @@ class InferenceEngine:
         attention_kernel: bool | None = None,
         compile: bool | None = None,
         progress: Callable[[str], None] | None = None,
+        background_compile: BackgroundCompile | None = None,
         event_log_size: int = 4096,
         history_size: int = 4096,
         keep_finished: int = 512,
@@ -189,7 +192,7 @@ class InferenceEngine:
         self.pool = PagePool(n_pages, page_size, emit=self._emit, eviction=eviction)
         self.cache = KVCacheManager(self.pool, prefix_caching)
         self.scheduler = Scheduler(self.cache, max_batch_size, max_batched_tokens, self._emit)
-        self.runner = ModelRunner(model, n_pages, page_size, preparation, progress)
+        self.runner = ModelRunner(model, n_pages, page_size, preparation, progress, background_compile)
 
         self._cancelled: set[int] = set()
         self._outputs: dict[int, tuple[queue.SimpleQueue, int, IncrementalDetokenizer]] = {}
@@ -361,6 +364,7 @@ class InferenceEngine:
                 steps=self.steps,
                 prefix_caching=cache.prefix_caching,
                 eviction=pool.policy.name,
+                forward=self.runner.forward_kind,
             )
 
     def cache_snapshot(self) -> CacheSnapshot:

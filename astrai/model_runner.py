@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,11 +26,17 @@ from astrai.compiled_forward import Compiled, GraphNoLongerFits, Progress, compi
 from astrai.device import resolve_cpu_speedup, to_device, uses_openmp
 from astrai.huge_pages import Arena
 from astrai.model_thread import SharedForwards
+from astrai.observation import Forward
 from astrai.packed_linear import pack_linears, packing_supported, unpack_linears
 from astrai.paged_kernel import PagedKernel, load_paged_kernel
 from astrai.request import Request
 
 log = logging.getLogger("astrai")
+
+# Builds a model's compiled forward on a background thread, while the model serves eager (``PreparedModel.compile``):
+# None where it cannot. It must not trace or run the model (that thread runs beside the model's forwards, and the
+# packed layers keep per-call state): ``precompile.in_child`` compiles in a child process and only loads here.
+BackgroundCompile = Callable[[PreTrainedModel], Compiled | None]
 
 SUPPORTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -141,6 +148,10 @@ class PreparedModel:
     * The **compiled forward** is made by the first ``compile`` (each engine calls it after ``acquire``), under
       the model's own ``_compile_lock``, not ``_prepared_lock``: a cold compile takes a minute, during which
       engines on other models start and stop freely; an engine on this model waits for it, then finds it made.
+      Or, given a ``BackgroundCompile``, the first ``compile`` returns at once and the model serves eager
+      (``forward_kind`` "compiling") while a thread builds it; that thread sets ``compiled`` and ``forward_kind``
+      under the ``SharedForwards`` lock, so the switch falls between two forwards, and every engine on the model
+      (one built later too: its ``compile`` finds it tried) serves the same forward from that step on.
     * The **forward** goes through ``forwards`` (``SharedForwards``, ``model_thread.py``): one at a time, and while
       several engines on the model are busy, on its one model thread: the packed layers'
       ``FusedProduct`` keeps per-call state, a compiled graph is not safe for two threads at once, and one thread
@@ -178,8 +189,10 @@ class PreparedModel:
         pack = preparation.packed_weights and packing_supported(dtype)
         self.packed_linears = self._pack() if pack else 0
         self.compiled: Compiled | None = None
+        self.forward_kind: Forward = "eager"  # what serves: written with ``compiled`` (``_serve``)
         self._compile_lock = threading.Lock()
         self._compile_tried = False
+        self._restored = False  # given back: a background compile that ends later is dropped (under forwards.lock)
         # last: nothing above can fail and leave it
         self.forwards = SharedForwards(f"astrai-model-{id(model):x}", uses_openmp(preparation.device))
 
@@ -208,14 +221,41 @@ class PreparedModel:
                 del _prepared[id(self.model)]
                 self.restore()
 
-    def compile(self, progress: Progress | None = None) -> None:
+    def compile(self, progress: Progress | None = None, background: BackgroundCompile | None = None) -> None:
         """Compile the forward (or load it compiled) if asked for and not tried yet; the engine serves eager where
-        it cannot be compiled. Call between ``acquire`` and ``release``."""
+        it cannot be compiled. With ``background`` (on the CPU), return at once: the model serves eager while a
+        thread builds the forward with it, and switches to it between two forwards. Call between ``acquire`` and
+        ``release``."""
         with self._compile_lock:
-            if self.preparation.compile and not self._compile_tried:
-                self._compile_tried = True
-                on_cpu = self.preparation.device.type == "cpu"
-                self.compiled = load_or_compile(self.model, progress) if on_cpu else compile_on_gpu(self.model)
+            if not self.preparation.compile or self._compile_tried:
+                return
+            self._compile_tried = True
+            if self.preparation.device.type != "cpu":  # compiled lazily, by the first steps: nothing to wait for
+                self._serve(compile_on_gpu(self.model))
+            elif background is None:
+                self._serve(load_or_compile(self.model, progress))
+            else:
+                self.forward_kind = "compiling"
+                name = f"astrai-compile-{id(self.model):x}"
+                threading.Thread(target=self._compile_in_background, args=(background,), name=name, daemon=True).start()
+
+    def _compile_in_background(self, build: BackgroundCompile) -> None:
+        try:
+            compiled = build(self.model)
+        except Exception:
+            log.warning("building the compiled forward failed; serving the model eager", exc_info=True)
+            compiled = None
+        with self.forwards.lock:  # between two forwards: none sees half a switch
+            if self._restored:
+                return
+            self._serve(compiled)
+        log.info("the model serves %s from this step on", "compiled" if compiled is not None else "eager")
+
+    def _serve(self, compiled: Compiled | None) -> None:
+        """Serve ``compiled``, or eager (``forward_kind`` "failed") if None. Before the model serves or under
+        ``forwards.lock``."""
+        self.compiled = compiled
+        self.forward_kind = "compiled" if compiled is not None else "failed"
 
     def _pack(self) -> int:
         """Packing is only a speed-up: where oneDNN refuses a weight, the model keeps its own layers."""
@@ -232,7 +272,9 @@ class PreparedModel:
         for tensor, original in self.original_tensors:
             tensor.data = original
         self.original_tensors = []
-        self.compiled = None
+        with self.forwards.lock:
+            self._restored = True
+            self.compiled = None
         self.forwards.stop()
         self.model.train(self.was_training)
         self.model.set_attn_implementation(self.previous_attn)
@@ -258,7 +300,7 @@ class PreparedModel:
                     # the process changed what the graph was compiled for (torch.set_num_threads, say): serve
                     # eager from here on rather than fail every step; forwards run one at a time, so no race
                     log.warning("the compiled forward no longer fits this process (%s); serving eager", exc)
-                    self.compiled = None
+                    self._serve(None)
             return logits(self.model, tokens, positions, rows)[0]
 
 
@@ -296,6 +338,7 @@ class ModelRunner:
         page_size: int,
         preparation: Preparation,
         progress: Progress | None = None,
+        background_compile: BackgroundCompile | None = None,
     ):
         config = model.config
         check_supported(config)
@@ -316,7 +359,7 @@ class ModelRunner:
         self.kv_cache = [(zeros(), zeros()) for _ in range(config.num_hidden_layers)]
         self.prepared = PreparedModel.acquire(model, preparation)
         self._released = False
-        self.prepared.compile(progress)
+        self.prepared.compile(progress, background_compile)
 
     @property
     def model(self) -> PreTrainedModel:
@@ -337,6 +380,10 @@ class ModelRunner:
     @property
     def compiled(self) -> Compiled | None:
         return self.prepared.compiled
+
+    @property
+    def forward_kind(self) -> Forward:
+        return self.prepared.forward_kind
 
     def release(self) -> None:
         """Drop this engine's KV tensors and its share of the model; the last engine on the model gives it back

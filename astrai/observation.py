@@ -25,6 +25,15 @@ blocks. Those fields are ``None`` there (typed ``int | None`` below), and the vi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+# Which forward serves the engine's steps (``CacheStats.forward``):
+# * "eager": the model's own forward, as asked (``compile=False``, or compiling is off on this device);
+# * "compiling": eager while the compiled forward is built in the background; it switches between two steps;
+# * "compiled": the compiled forward (``compiled_forward.py``);
+# * "failed": eager, because the compiled forward could not be built (no C++ compiler, say: the log says why) or
+#   no longer fits the process.
+Forward = Literal["eager", "compiling", "compiled", "failed"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,7 @@ class CacheStats:
     steps: int
     prefix_caching: bool
     eviction: str | None = None  # the pool's eviction policy (astrai.eviction.POLICIES); None: not reported (vLLM)
+    forward: Forward | None = None  # which forward serves (``Forward``); None: not reported (a vLLM server has none)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from astrai.observation import CacheStats, PageRecord, RequestInfo, StepSample
 from astrai.playground.views import pages as page_rules
 from astrai.playground.views import series as chart_series
@@ -105,7 +107,7 @@ def test_with_prefix_caching_off_badges_and_rows_say_off_not_zero_cached():
 
 
 def stats(**changes) -> CacheStats:
-    zero = {f.name: 0 for f in dataclasses.fields(CacheStats)}
+    zero = {f.name: 0 for f in dataclasses.fields(CacheStats) if f.default is dataclasses.MISSING}
     base = dict(n_pages=16, page_size=4, hit_rate=0.0, recent_hit_rate=0.0, prefix_caching=True)
     return CacheStats(**(zero | base | changes))
 
@@ -159,6 +161,23 @@ def test_the_stats_line_names_what_the_hit_rate_counts_in_plain_words():
     assert "**30** of 80 prompt tokens came from the cache (38%)" in line
     assert "preempted requests, re-admitted, found 0 of their 9 tokens again (counted apart)" in line
     assert line.index("came from the cache") < line.index("preempted requests"), "plain words before the jargon"
+
+
+@pytest.mark.parametrize(
+    ("forward", "said"),
+    [
+        ("compiling", "forward: **eager** while the compiled one is built"),
+        ("compiled", "forward: **compiled**"),
+        ("failed", "forward: **eager** (the compiled one could not be built: the log says why)"),
+        ("eager", "forward: **eager**"),
+    ],
+)
+def test_the_stats_line_says_which_forward_serves(forward, said):
+    assert views.stats_line(stats(forward=forward)).endswith(said)
+
+
+def test_a_backend_without_a_forward_to_report_says_nothing_of_it():
+    assert "forward" not in views.stats_line(stats(forward=None)), "vLLM's server has no such thing"
 
 
 def test_with_prefix_caching_off_the_stats_line_says_off_not_zero_percent():

@@ -20,17 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import torch
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from astrai import SUPPORTED_DTYPES, InferenceEngine
+from astrai import SUPPORTED_DTYPES, InferenceEngine, precompile
 from astrai.checkpoints import load_checkpoint
 from astrai.model_runner import kv_bytes_per_token
 from astrai.playground import knobs
@@ -39,7 +36,6 @@ from astrai.playground.backends.profiles import DEFAULT_PROFILE, Profile, model_
 from astrai.playground.backends.protocol import BackendError, EngineLimitReached, EngineView, Progress
 
 log = logging.getLogger("astrai.playground")
-PRECOMPILE_TIMEOUT_S = 900.0  # a cold compile of a hub model takes minutes on 2 cores; past this, it is stopped
 
 
 @dataclass
@@ -78,7 +74,10 @@ class LocalEngines:
         compile: bool | None = None,
     ):
         """``compile``: the engines serve the model compiled or eager; None, the engine's default (compiled on the
-        CPU: a model's first engine on a machine compiles it, later ones load it from disk)."""
+        CPU). A model's first engine serves eager at once while its compiled forward is loaded from disk or, the
+        first time on a machine, compiled in a child process at a lower priority (``precompile.in_child``); it and
+        every engine on the model switch to it once it is ready. So neither the app's start nor a visitor's new
+        engine waits for a compile (20-80 s on 2 cores), and no compile holds the serving process's GIL."""
         self._default = default
         self._compile = compile
         self._choices = model_choices(allow_hub)
@@ -231,8 +230,6 @@ class LocalEngines:
         try:
             if progress is not None:
                 progress(0.1, f"Building {profile.engine} ({settings.describe()})…")
-            if self._compiles_cold(profile):
-                self._precompile(profile, progress)
             model = self._model(profile.model, settings.dtype)
             engine = InferenceEngine(
                 model.model,
@@ -244,7 +241,7 @@ class LocalEngines:
                 dtype=settings.dtype,
                 eviction=settings.eviction,
                 compile=self._compile,
-                progress=None if progress is None else lambda text: progress(0.3, text),
+                background_compile=precompile.in_child(self._choices[profile.model], settings.dtype),
             )
             slot.backend = LocalBackend(engine, profile.model)
             log.info("engine %s built in %.2f s", profile.key, time.monotonic() - started)
@@ -255,40 +252,6 @@ class LocalEngines:
                     del self._slots[profile]
         finally:
             slot.ready.set()
-
-    def _compiles_cold(self, profile: Profile) -> bool:
-        """Whether building ``profile``'s engine may compile a model while visitors are served: compiling is on, an
-        engine already serves, and no engine over this model and dtype does (else it shares that one's)."""
-        with self._lock:
-            serving = any(slot.backend is not None for slot in self._slots.values())
-            loaded = (profile.model, profile.settings.dtype) in self._models
-        return self._compile is not False and serving and not loaded
-
-    def _precompile(self, profile: Profile, progress: Progress | None) -> None:
-        """Compile the model's forward for this machine in a child process at a lower priority (``astrai.precompile``;
-        20-80 s when cold), so the engine built next loads it in seconds: a compile here held the GIL and
-        ``compiled_forward``'s lock, and every visitor's stream and poll waited. Its lines are the visitor's progress.
-        Only a speed-up: where the child fails, the engine compiles in process, as it would have."""
-        command = [sys.executable, "-m", "astrai.precompile", self._choices[profile.model]]
-        command += ["--dtype", profile.settings.dtype, "--threads", str(torch.get_num_threads())]
-        started = time.monotonic()
-        try:
-            with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as child:
-                watchdog = threading.Timer(PRECOMPILE_TIMEOUT_S, child.kill)
-                watchdog.start()
-                try:
-                    assert child.stdout is not None
-                    for line in child.stdout:
-                        if line.strip() and progress is not None:
-                            progress(0.2, line.strip()[:200])
-                finally:
-                    watchdog.cancel()
-            status = child.returncode
-        except OSError as exc:
-            log.warning("could not start the precompile of %s: %s", profile.model, exc)
-            return
-        log.info("precompile of %s (%s) exited %s after %.0f s", profile.model, profile.settings.dtype, status,
-                 time.monotonic() - started)  # fmt: skip
 
     def _model(self, label: str, dtype: str) -> _Model:
         """The loaded model for ``label`` in ``dtype``: loaded once, shared by every engine over it. Only the

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from astrai.explain import Cause, Explanation
-from astrai.observation import CacheStats, RequestInfo
+from astrai.observation import CacheStats, Forward, RequestInfo
 from astrai.playground.backends.protocol import EngineView
 from astrai.playground.views import causes
 
@@ -160,7 +160,18 @@ def stats_line(stats: CacheStats, derived: frozenset[str] = frozenset(), caveat:
             f"{stats.readmitted_query_tokens} tokens again (counted apart)"
         )
     line = f"{now}  \n{reuse} · {_count(stats.evictions)} evictions · {_count(stats.preemptions)} preemptions"
+    if stats.forward is not None:
+        line += f" · forward: {FORWARDS[stats.forward]}"
     return f"{line}  \n⚠️ {caveat}" if caveat else line
+
+
+# which forward serves, in words (``CacheStats.forward``; a backend without one, vLLM, says nothing)
+FORWARDS: dict[Forward, str] = {
+    "eager": "**eager**",
+    "compiling": "**eager** while the compiled one is built",
+    "compiled": "**compiled**",
+    "failed": "**eager** (the compiled one could not be built: the log says why)",
+}
 
 
 def unreachable_line(model_label: str, reason: str) -> str:
