@@ -76,7 +76,9 @@ def test_greedy_in_tight_tenants_equals_transformers_while_all_share_the_forward
         second = engine.add_tenant(tight, max_batch_size=6, eviction="fifo")
         assert second.page_offset == 256 + tight  # the reserve comes after the engine's own pages
         for _ in range(2):  # the second round with every cache warm
-            outputs = run_together({"default": (engine, PROMPTS), "first": (first, PROMPTS), "second": (second, PROMPTS)})
+            outputs = run_together(
+                {"default": (engine, PROMPTS), "first": (first, PROMPTS), "second": (second, PROMPTS)}
+            )
             assert outputs == {"default": refs, "first": refs, "second": refs}
         for tenant in (first, second):
             stats = tenant.cache_stats()
