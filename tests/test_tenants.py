@@ -101,7 +101,9 @@ def test_a_tenant_sees_only_its_own_pages_requests_and_counts(model, tokenizer):
         assert len(mine_ids) == 2 and len(theirs_ids) == 4 and not mine_ids & theirs_ids
         admitted = {e.request for e in mine.events() if isinstance(e, RequestAdmitted)}
         stored_by = {e.request for e in mine.events() if isinstance(e, PageStored)}
-        assert admitted == mine_ids and stored_by <= mine_ids
+        assert admitted == mine_ids and stored_by and stored_by <= mine_ids
+        in_default = {e.request for e in engine.events() if isinstance(e, (RequestAdmitted, PageStored))}
+        assert in_default and not in_default & (mine_ids | theirs_ids), "the default pool's log holds its own only"
         assert {r for s in mine.history() for r in s.requests} == mine_ids
         assert [s.step for s in mine.history()] == list(range(1, mine.steps + 1))  # numbered by its own steps
         snapshot = mine.cache_snapshot()
