@@ -131,7 +131,7 @@ class SetupCallbacks:
             try:
                 engines.ensure(own)
                 profile = own
-            except EngineLimitReached as exc:
+            except BackendError as exc:  # past the reserve for own pools (EngineLimitReached), or it failed
                 note = f" ⚠️ {exc} You share this pool with everyone else on it: their runs may evict your pages."
                 gr.Warning(note)
         try:
