@@ -105,6 +105,8 @@ class Tenant:
         explain_keys: int,
     ):
         self._engine = engine
+        # one lock for every tenant of the engine: its loop schedules them all at once
+        self._lock: threading.RLock = engine._lock
         self.tokenizer: PreTrainedTokenizerBase = engine.tokenizer
         self.page_offset = page_offset
         self._observed_lock = threading.Lock()  # the event log and the step history only
@@ -205,7 +207,7 @@ class Tenant:
         ]
         items: queue.SimpleQueue = queue.SimpleQueue()
         self._engine._release_pool()  # the caller waits on the engine: its idle OpenMP workers would slow the loop's
-        with self._engine._lock:
+        with self._lock:
             self._check_alive()
             for index, req in enumerate(requests):
                 self._outputs[req.id] = (items, index, IncrementalDetokenizer(self.tokenizer))
@@ -222,13 +224,13 @@ class Tenant:
 
     def cancel(self, request_ids: list[int]) -> None:
         """Cancel requests; the loop releases their pages at the start of its next step."""
-        with self._engine._lock:
+        with self._lock:
             self._cancelled.update(request_ids)
             self._engine._work_arrived.notify_all()
 
     def clear(self) -> int:
         """Empty the prefix cache (cached pages become free). Safe while requests run. Returns pages freed."""
-        with self._engine._lock:
+        with self._lock:
             freed = self.cache.clear()
             self._emit(CacheCleared, pages=freed)
             self._engine._work_arrived.notify_all()  # an idle loop records the change as a step of its own
@@ -259,7 +261,7 @@ class Tenant:
 
     # ----- the observation API ----------------------------------------------------------------------------
     def cache_stats(self) -> CacheStats:
-        with self._engine._lock:
+        with self._lock:
             pool, cache = self.pool, self.cache
             hit_rate, recent = cache.hit_rates()
             return CacheStats(
@@ -290,7 +292,7 @@ class Tenant:
 
     def cache_snapshot(self) -> CacheSnapshot:
         """Every page after ``step`` completed steps: state, ref count, LRU rank, running owners, keys and tokens."""
-        with self._engine._lock:
+        with self._lock:
             return CacheSnapshot(step=self.steps, pages=tuple(self._page_records(range(self.pool.n_pages))))
 
     def _page_records(self, pages: Iterable[int]) -> list[PageRecord]:
@@ -345,7 +347,7 @@ class Tenant:
 
     def request_info(self, request_ids: list[int]) -> list[RequestInfo]:
         """Progress of the requests still known (running, waiting, or among the last ``keep_finished`` ended)."""
-        with self._engine._lock:
+        with self._lock:
             known = (self._live.get(i) or self._ended.get(i) for i in request_ids)
             return [_info(req) for req in known if req is not None]
 
@@ -638,7 +640,8 @@ class InferenceEngine(Tenant):
         self.tokenizer: PreTrainedTokenizerBase = tokenizer
         self.eos_ids = _eos_ids(model, tokenizer)
 
-        self._lock = threading.RLock()  # every tenant's state: schedulers, caches, pools, requests, outputs
+        # every tenant's state: schedulers, caches, pools, requests, outputs
+        self._lock: threading.RLock = threading.RLock()
         self._work_arrived = threading.Condition(self._lock)  # notified on submit, cancel, clear, close and shutdown
         self._shutting_down = False
         self._loop_error: BaseException | None = None
