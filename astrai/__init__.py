@@ -1,7 +1,7 @@
 """astrai: a compact vLLM-style inference engine with a paged KV cache and a persistent prefix cache."""
 
 from astrai.checkpoints import ModelLoadError, load_checkpoint
-from astrai.engine import EngineClosedError, InferenceEngine, RequestFailedError
+from astrai.engine import EngineClosedError, InferenceEngine, RequestFailedError, Tenant, TenantReserveFull
 from astrai.model_runner import SUPPORTED_DTYPES
 from astrai.sampling import SamplingParams
 
@@ -13,4 +13,6 @@ __all__ = [
     "load_checkpoint",
     "RequestFailedError",
     "SamplingParams",
+    "Tenant",
+    "TenantReserveFull",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import bisect
 import logging
 import queue
 import random
@@ -67,119 +68,52 @@ class RequestFailedError(RuntimeError):
     """A step that computed this request raised; the message names the cause."""
 
 
-class InferenceEngine:
-    """A paged-KV, prefix-caching, continuously batching engine over a transformers causal LM.
+class TenantReserveFull(RuntimeError):
+    """``add_tenant`` asked for more pages than the engine's tenant reserve has free in one range."""
 
-    It runs on one device (``device``: CUDA where available, else the CPU; ``astrai/device.py``): the model's weights,
-    the KV tensors, each step's metadata and the sampling live there, and the sampled tokens come back to the host
-    once per step. The CPU-only speed-ups (``packed_weights``, ``attention_kernel``, OpenMP pool releases) are on by
-    default on the CPU and off elsewhere; so is ``compile`` (below), which a CUDA engine takes only when asked.
 
-    A model already serving another engine is shared, not loaded or prepared again: each engine has its own pool,
-    scheduler and KV tensors, and they take turns at the model's forward; the options that prepare the model
-    (``dtype``, ``device``, ``packed_weights``, ``attention_kernel``, ``compile``) must then equal the first engine's,
-    or the constructor raises ``ValueError``. The last engine on the model to shut down hands it back as it came.
+Delivery = tuple[queue.SimpleQueue, tuple[int, str, Any]]
+Counters = tuple[int, int, int, int]  # evictions, preemptions, hit tokens, query tokens: a step records their deltas
 
-    ``eviction`` picks which cached page a full pool gives up first: a name of ``astrai.eviction.POLICIES`` ("lru",
-    the default, "fifo", "lfu" or "arc"); another raises ``ValueError``.
 
-    ``compile`` (the default on the CPU) serves the model compiled by ``torch.compile``, loaded from the on-disk
-    cache when this machine compiled that model before (seconds), else compiled now (a minute or so on 2 cores) and
-    cached (``compiled_forward.py``); where it cannot be compiled (no C++ compiler), the engine logs a warning and
-    serves eager. ``progress``, if given, is called with a line of text as a slow start goes (a cold compile), on the
-    constructor's thread. ``background_compile`` (the CPU only; e.g. ``precompile.in_child``) makes the start fast
-    instead: the engine serves eager at once while a thread builds the compiled forward with it, then switches to it
-    between two steps (``CacheStats.forward`` says which serves; ``model_runner.PreparedModel.compile``).
+class Tenant:
+    """One pool served by an engine: its page quota, prefix index, eviction order, scheduler and observation.
 
-    Threads and locks (who owns what):
+    Its pages are numbered 0..n_pages-1, as its page map, events and snapshot show them; they are the KV pages
+    ``page_offset``.. of the engine's tensors (each request carries the offset, the runner adds it). Everything a
+    reader sees is the tenant's own: events, stats, snapshot, history (with step numbers of its own: a sample per
+    step it took part in, so a replay of it holds no other tenant's step), request info and explanations. Its
+    requests are computed in the engine's shared forwards. ``InferenceEngine`` is its default tenant; more come
+    from ``InferenceEngine.add_tenant`` and end with ``close()``.
 
-    * The **loop thread** (``astrai-engine``) is the only writer of the scheduler, the cache manager, the page pool,
-      the requests' progress and the model runner (with this engine's KV tensors). It mutates them under ``_lock``
-      and runs the forward *outside* it, reading only what no other thread writes (the scheduled requests' tokens
-      and page tables).
-    * The **model** is prepared once per model object and shared by every engine on it (``PreparedModel`` in
-      ``model_runner.py``): read-only while served, its forwards serialised by its ``SharedForwards`` lock, held
-      for one model call, never together with ``_lock``. While several engines on it are busy, their forwards run on
-      its one model thread (one OpenMP pool, ``model_thread.py``); otherwise an engine forwards on its loop thread.
-      Engines on one model wait for each other there only.
-    * **Caller threads** (``generate``, ``cancel``, ``clear``, the readers) take ``_lock`` for a short critical
-      section: submit appends to the waiting queue, ``cancel`` records ids that the loop applies at its next step,
-      ``clear`` unindexes cached pages. ``_work_arrived`` (a Condition on ``_lock``) wakes the idle loop.
-    * **Observations** (events and the per-step history) sit behind their own ``_observed_lock``, taken after
-      ``_lock`` (never the other way round) and held only to append or copy. ``events()`` and ``history()`` never
-      wait for a schedule or a forward.
-    * The **explainer's key history** (``astrai.explain.LiveHistory``) gets each event from ``_emit`` as it is
-      stamped (``push`` only tries its lock, never waits) and is read by ``explain`` under that lock, taken with
-      no engine lock held.
-    * No user code runs under either lock: text deltas and errors are put on the consumers' queues after
-      ``_lock`` is released, and only by the loop thread, so each stream sees its items in order.
-    * ``shutdown()`` only flags the loop and waits; the loop itself fails what is left, drops its KV tensors and
-      releases its share of the model (the last engine on it hands the model back), so a forward that is still
-      running never sees its pages freed or its model changed.
+    Every method takes the engine's ``_lock`` (never this tenant's ``_observed_lock`` first): see the engine's
+    docstring for who owns what.
     """
 
     def __init__(
         self,
-        model: PreTrainedModel,
-        tokenizer: PreTrainedTokenizerBase,
-        *,
-        page_size: int = 16,
-        n_pages: int | None = None,
-        memory_budget_mb: float | None = None,
-        max_batch_size: int = 8,
-        max_seq_len: int | None = None,
-        max_batched_tokens: int = 512,
-        prefix_caching: bool = True,
-        eviction: str = "lru",
-        dtype: str = "float32",
-        device: str | torch.device | None = None,
-        packed_weights: bool | None = None,
-        attention_kernel: bool | None = None,
-        compile: bool | None = None,
-        progress: Callable[[str], None] | None = None,
-        background_compile: BackgroundCompile | None = None,
-        event_log_size: int = 4096,
-        history_size: int = 4096,
-        keep_finished: int = 512,
-        explain_keys: int = 16384,
+        engine: InferenceEngine,
+        n_pages: int,
+        page_size: int,
+        page_offset: int,
+        max_batch_size: int,
+        prefix_caching: bool,
+        eviction: str,
+        event_log_size: int,
+        history_size: int,
+        keep_finished: int,
+        explain_keys: int,
     ):
-        if dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(SUPPORTED_DTYPES)}, got {dtype!r}")
-        for name, value in (
-            ("page_size", page_size),
-            ("max_batch_size", max_batch_size),
-            ("max_batched_tokens", max_batched_tokens),
-            ("event_log_size", event_log_size),
-            ("history_size", history_size),
-            ("keep_finished", keep_finished),
-            ("explain_keys", explain_keys),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(prefix_caching, bool):
-            raise ValueError(f"prefix_caching must be True or False, got {prefix_caching!r}")
-        if compile is not None and not isinstance(compile, bool):
-            raise ValueError(f"compile must be True, False or None (where it applies), got {compile!r}")
-        torch_dtype = SUPPORTED_DTYPES[dtype]
-        self.device = resolve_device(device)
-        preparation = Preparation.resolve(torch_dtype, self.device, packed_weights, attention_kernel, compile)
-        if n_pages is None:
-            budget = (memory_budget_mb or 256) * 2**20
-            n_pages = int(budget // (page_size * kv_bytes_per_token(model.config, torch_dtype)))
-        if not isinstance(n_pages, int) or n_pages < 1:
-            raise ValueError(f"n_pages must be an integer >= 1, got {n_pages!r}")
-        model_limit = getattr(model.config, "max_position_embeddings", None) or n_pages * page_size
-        self.max_seq_len = min(max_seq_len or model_limit, model_limit)
-        self.tokenizer = tokenizer
-        self.eos_ids = _eos_ids(model, tokenizer)
-
-        self._lock = threading.RLock()  # the engine's state: scheduler, cache, pool, requests, outputs
-        self._work_arrived = threading.Condition(self._lock)  # notified on submit, cancel and shutdown
+        self._engine = engine
+        # one lock for every tenant of the engine: its loop schedules them all at once
+        self._lock: threading.RLock = engine._lock
+        self.tokenizer: PreTrainedTokenizerBase = engine.tokenizer
+        self.page_offset = page_offset
         self._observed_lock = threading.Lock()  # the event log and the step history only
         self._events: deque[EngineEvent] = deque(maxlen=event_log_size)
         self._event_seq = 0
         self._history: deque[StepSample] = deque(maxlen=history_size)
-        self.steps = 0  # completed steps; events of the step in progress carry steps + 1
+        self.steps = 0  # steps this tenant took part in; events of the step in progress carry steps + 1
         self._generated_tokens = 0
 
         self._explainer = LiveHistory(  # fed each event by ``_emit``; read by ``explain`` under a lock of its own
@@ -191,8 +125,7 @@ class InferenceEngine:
         )
         self.pool = PagePool(n_pages, page_size, emit=self._emit, eviction=eviction)
         self.cache = KVCacheManager(self.pool, prefix_caching)
-        self.scheduler = Scheduler(self.cache, max_batch_size, max_batched_tokens, self._emit)
-        self.runner = ModelRunner(model, n_pages, page_size, preparation, progress, background_compile)
+        self.scheduler = Scheduler(self.cache, max_batch_size, engine.max_batched_tokens, self._emit)
 
         self._cancelled: set[int] = set()
         self._outputs: dict[int, tuple[queue.SimpleQueue, int, IncrementalDetokenizer]] = {}
@@ -201,34 +134,7 @@ class InferenceEngine:
         self._keep_finished = keep_finished
         self._ended_counts: Counter[str] = Counter()
         self._end_unrecorded = False  # a request ended since the last step was recorded
-        self._closed = False
-        self._loop_error: BaseException | None = None
-        self._release_pool()  # this thread prepared the model; its idle OpenMP workers would slow the loop's
-        self._thread = threading.Thread(target=self._loop, name="astrai-engine", daemon=True)
-        self._thread.start()
-        _running_engines.add(self)
-
-    # ----- construction ---------------------------------------------------------------------------------
-    @classmethod
-    def from_pretrained(
-        cls, name_or_path: str, dtype: str = "float32", device: str | torch.device | None = None, **options: Any
-    ) -> InferenceEngine:
-        """Load a safetensors checkpoint with transformers (never pickle, never remote code).
-
-        The device is checked before anything loads; the fresh model is then moved there whole, so no host copy of
-        its weights outlives the load (an engine keeps the originals of a model it had to move, to hand it back).
-        """
-        target = resolve_device(device)
-        model, tokenizer = load_checkpoint(name_or_path, dtype)
-        # transformers decorates ``to`` with ``functools.wraps(nn.Module.to)``, which the stubs type as the unbound
-        # function (the model as its first argument): it is a method, moving the model in place and returning it
-        move = cast(Callable[[torch.device], PreTrainedModel], model.to)
-        return cls(move(target), tokenizer, dtype=dtype, device=target, **options)
-
-    def _release_pool(self) -> None:
-        """Free the calling thread's idle OpenMP workers (``openmp.py``), where the engine computes on them."""
-        if uses_openmp(self.device):
-            release_pool()
+        self._closed = False  # ``close()``d: a tenant's own end, not the engine's
 
     # ----- the public API -------------------------------------------------------------------------------
     def generate(
@@ -248,7 +154,7 @@ class InferenceEngine:
 
         ``cache_salt`` puts the requests in their own prefix-cache namespace; a list gives each prompt its own
         (distinct salts make a batch that shares nothing, not even within itself)."""
-        texts = self._validate_prompts(prompts)
+        texts = _validate_prompts(prompts)
         token_ids = [list(self.tokenizer(text)["input_ids"]) for text in texts]
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         return self._submit(token_ids, params, cache_salt, stream, single=isinstance(prompts, str))
@@ -305,14 +211,14 @@ class InferenceEngine:
             self._make_request(i, ids, params, s) for i, (ids, s) in enumerate(zip(token_ids, salts, strict=True))
         ]
         items: queue.SimpleQueue = queue.SimpleQueue()
-        self._release_pool()  # the caller now waits on the engine: its idle OpenMP workers would slow the loop's
+        self._engine._release_pool()  # the caller waits on the engine: its idle OpenMP workers would slow the loop's
         with self._lock:
             self._check_alive()
             for index, req in enumerate(requests):
                 self._outputs[req.id] = (items, index, IncrementalDetokenizer(self.tokenizer))
                 self._live[req.id] = req
                 self.scheduler.add(req)
-            self._work_arrived.notify_all()
+            self._engine._work_arrived.notify_all()
         out = GenerationStream([r.id for r in requests], items, self.cancel, self._check_alive, indexed=not single)
         if stream:
             return out
@@ -325,15 +231,38 @@ class InferenceEngine:
         """Cancel requests; the loop releases their pages at the start of its next step."""
         with self._lock:
             self._cancelled.update(request_ids)
-            self._work_arrived.notify_all()
+            self._engine._work_arrived.notify_all()
 
     def clear(self) -> int:
         """Empty the prefix cache (cached pages become free). Safe while requests run. Returns pages freed."""
         with self._lock:
             freed = self.cache.clear()
             self._emit(CacheCleared, pages=freed)
-            self._work_arrived.notify_all()  # an idle loop records the change as a step of its own
+            self._engine._work_arrived.notify_all()  # an idle loop records the change as a step of its own
             return freed
+
+    def close(self) -> None:
+        """End this tenant: its unfinished requests fail with ``EngineClosedError`` (their streams end at once), and
+        its pages go back to the engine's reserve for another tenant. Idempotent. The engine's own pool ends with
+        ``shutdown()``, not here.
+
+        Safe while a step runs: the tenant is no longer scheduled from now on, and where the running step computes
+        some of its requests, this waits for that step to end (one forward) before it takes their pages."""
+        engine = self._engine
+        if self is engine:
+            raise TypeError("the engine's own pool ends with shutdown(), not close()")
+        with engine._lock:
+            if self._closed:
+                return
+            self._closed = True
+            while self in engine._in_flight and engine._thread.is_alive():
+                engine._work_arrived.wait(0.05)
+            closing = EngineClosedError("this tenant was closed before the request finished")
+            outbox = self._fail([*self.scheduler.running, *self.scheduler.waiting], closing)
+            engine._tenants.remove(self)
+            engine._reserve.release(self.page_offset, self.pool.n_pages)
+            engine._work_arrived.notify_all()
+        _deliver(outbox)
 
     # ----- the observation API ----------------------------------------------------------------------------
     def cache_stats(self) -> CacheStats:
@@ -364,7 +293,7 @@ class InferenceEngine:
                 steps=self.steps,
                 prefix_caching=cache.prefix_caching,
                 eviction=pool.policy.name,
-                forward=self.runner.forward_kind,
+                forward=self._engine.runner.forward_kind,
             )
 
     def cache_snapshot(self) -> CacheSnapshot:
@@ -437,7 +366,7 @@ class InferenceEngine:
         requests the reader may see the tokens of (None: all; a page of someone else's is then never "diverged"
         nor "another namespace" to them, only "new").
 
-        Built on the caller's thread from this engine's own observation only: every event feeds its key history as
+        Built on the caller's thread from this tenant's own observation only: every event feeds its key history as
         it is emitted (``astrai.explain.LiveHistory``: none is lost, whatever the ring of ``event_log_size`` drops;
         at most ``explain_keys`` keys plus the pool's pages), read under a lock of its own, never ``_lock``. A
         request admitted in the step still running reads ``IN_PROGRESS`` until that step ends.
@@ -445,130 +374,31 @@ class InferenceEngine:
         infos = self.request_info(request_ids)  # first: every admission these show was pushed before ...
         return self._explainer.explain(infos, self.steps, viewer_owns)  # ... the steps completed, read after them
 
-    def shutdown(self, timeout: float = 10.0) -> bool:
-        """Stop the loop; unfinished requests get an ``EngineClosedError``.
-
-        The loop, not this call, fails the requests and releases the model once any running forward has returned;
-        the last engine sharing the model hands it back as it came. Returns True when that is done within
-        ``timeout``; False when a forward is still running (consumers are told at once anyway: their streams see
-        the engine closed within ``POLL_SECONDS``).
-        """
-        with self._lock:
-            self._closed = True
-            self._work_arrived.notify_all()
-        _running_engines.discard(self)
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
-        if self._thread.is_alive():
-            log.warning("astrai shutdown: a step is still running; the loop will clean up when it returns")
-            return False
-        return True
-
-    def __enter__(self) -> InferenceEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
-
     # ----- submission helpers ---------------------------------------------------------------------------
-    def _validate_prompts(self, prompts: object) -> list[str]:
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"prompts must be a str or a list of str, got {type(prompts).__name__}")
-        if not prompts:
-            raise ValueError("prompts is an empty list; give at least one prompt")
-        for i, text in enumerate(prompts):
-            if not isinstance(text, str):
-                raise TypeError(f"prompt {i} must be a str, got {type(text).__name__}")
-            if not text.strip():
-                raise ValueError(f"prompt {i} is empty or only whitespace")
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise ValueError(f"prompt {i} is not valid UTF-8 text ({exc.reason} at {exc.start})") from None
-        return list(prompts)
-
     def _make_request(self, index: int, ids: list[int], params: SamplingParams, salt: str | None) -> Request:
         total = len(ids) + params.max_tokens
         capacity = self.pool.n_pages * self.pool.page_size
-        if total > self.max_seq_len:
+        if total > self._engine.max_seq_len:
             raise ValueError(
                 f"prompt {index} has {len(ids)} tokens; with max_tokens={params.max_tokens} that is "
-                f"{total}, over max_seq_len={self.max_seq_len}"
+                f"{total}, over max_seq_len={self._engine.max_seq_len}"
             )
         if total > capacity:
             raise ValueError(f"prompt {index} needs {total} tokens of KV but the whole pool holds {capacity}")
         generator = None
         if not params.greedy:
             seed = random.getrandbits(63) if params.seed is None else (params.seed + index) % (MAX_SEED + 1)
-            generator = torch.Generator(device=self.device).manual_seed(seed)  # noise is drawn where logits are
-        return Request(prompt_ids=ids, params=params, cache_salt=salt, generator=generator)
+            generator = torch.Generator(device=self._engine.device).manual_seed(seed)  # noise is drawn where logits are
+        return Request(
+            prompt_ids=ids, params=params, cache_salt=salt, generator=generator, page_offset=self.page_offset
+        )
 
     def _check_alive(self) -> None:
-        if self._loop_error is not None:
-            raise EngineClosedError(f"the engine loop died: {self._loop_error!r}")
+        self._engine._check_engine()
         if self._closed:
-            raise EngineClosedError("the engine is shut down")
+            raise EngineClosedError("this tenant is closed")
 
-    # ----- the loop -------------------------------------------------------------------------------------
-    def _loop(self) -> None:
-        closing: Exception = EngineClosedError("the engine was shut down before this request finished")
-        try:
-            while True:
-                with self._lock:
-                    while not (self._closed or self._cancelled or self.scheduler.has_work() or self.pool.touched):
-                        self._release_pool()  # idle: free the OpenMP workers, which would slow other engines' steps
-                        self._work_arrived.wait()
-                    if self._closed:
-                        return
-                    outbox = self._apply_cancels()
-                _deliver(outbox)
-                self._step()
-        except BaseException as exc:  # a bug in the loop itself: make every waiter see it
-            log.exception("astrai engine loop died")
-            self._loop_error = exc
-            closing = EngineClosedError(f"the engine loop died: {exc!r}")
-        finally:  # the loop, not shutdown(): no forward is running now, so pages and the model are safe to touch
-            with self._lock:
-                outbox = self._fail([*self.scheduler.running, *self.scheduler.waiting], closing)
-            _deliver(outbox)
-            self.runner.release()  # the last engine on the model restores it
-
-    def _step(self) -> None:
-        """Schedule, run the model, sample, and stream. A failure fails only this step's requests."""
-        work: list[tuple[Request, int]] = []
-        started = time.perf_counter()
-        try:
-            with self._lock:
-                before = self._counters()
-                work = self.scheduler.schedule()
-            if not work:
-                with self._lock:
-                    # a cancel or clear() changed pages between steps, or a request ended (one cancelled while it
-                    # waited gave back no page): a step records it, the step its ``ended_step`` names
-                    if self.pool.touched or self._end_unrecorded:
-                        self._record_step([], 0, before, started, [])
-                    else:
-                        self._work_arrived.wait(0.01)
-                return
-            decode = sum(req.decoded(count) for req, count in work)  # before the step ends any request
-            logits = self.runner.step(work)
-            sampled = [req for req, count in work if req.num_computed + count == len(req.token_ids)]
-            tokens = sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
-            with self._lock:
-                outbox, appended = self._finish_step(work, dict(zip(sampled, tokens, strict=True)))
-                self._record_step(work, decode, before, started, appended)
-        except Exception as exc:
-            log.exception("astrai step failed")
-            with self._lock:
-                self.cache.end_step()
-                # a scheduling failure leaves no trustworthy bookkeeping: fail everything it was juggling
-                victims = [req for req, _ in work] or [*self.scheduler.running, *self.scheduler.waiting]
-                outbox = self._fail(victims, RequestFailedError(f"the step computing this request failed: {exc!r}"))
-                self._record_step([], 0, before, started, [])
-        _deliver(outbox)
-
+    # ----- one step of this tenant, run by the engine loop --------------------------------------------
     def _finish_step(
         self, work: list[tuple[Request, int]], tokens: dict[Request, int]
     ) -> tuple[list[Delivery], list[tuple[int, int]]]:
@@ -595,7 +425,7 @@ class InferenceEngine:
             delta = detok.push(token)
             if delta:
                 outbox.append((items, (index, "delta", delta)))
-            if token in self.eos_ids or len(req.token_ids) - req.prompt_len >= req.params.max_tokens:
+            if token in self._engine.eos_ids or len(req.token_ids) - req.prompt_len >= req.params.max_tokens:
                 tail = detok.flush()
                 if tail:
                     outbox.append((items, (index, "delta", tail)))
@@ -603,14 +433,14 @@ class InferenceEngine:
                 outbox.append((items, (index, "done", None)))
         return outbox, appended
 
-    def _counters(self) -> tuple[int, int, int, int]:
+    def _counters(self) -> Counters:
         return self.pool.stats.evictions, self.scheduler.preemptions, self.cache.hit_tokens, self.cache.query_tokens
 
     def _record_step(
         self,
         work: list[tuple[Request, int]],
         decode: int,
-        before: tuple[int, int, int, int],
+        before: Counters,
         started: float,
         appended: list[tuple[int, int]],
     ) -> None:
@@ -693,8 +523,419 @@ class InferenceEngine:
             self._events.append(stamped)
         self._explainer.push(stamped)
 
+    def _fail_step(self, requests: list[Request], exc: Exception, before: Counters) -> list[Delivery]:
+        """Fail ``requests`` for a step that raised, and record the step."""
+        self.cache.end_step()
+        outbox = self._fail(requests, RequestFailedError(f"the step computing this request failed: {exc!r}"))
+        self._record_step([], 0, before, time.perf_counter(), [])
+        return outbox
 
-Delivery = tuple[queue.SimpleQueue, tuple[int, str, Any]]
+    def _has_business(self) -> bool:
+        """Something for the loop to do: a request to run, a cancel to apply, or a change to record."""
+        return bool(self._cancelled or self.scheduler.has_work() or self.pool.touched)
+
+
+class InferenceEngine(Tenant):
+    """A paged-KV, prefix-caching, continuously batching engine over a transformers causal LM.
+
+    It runs on one device (``device``: CUDA where available, else the CPU; ``astrai/device.py``): the model's weights,
+    the KV tensors, each step's metadata and the sampling live there, and the sampled tokens come back to the host
+    once per step. The CPU-only speed-ups (``packed_weights``, ``attention_kernel``, OpenMP pool releases) are on by
+    default on the CPU and off elsewhere; so is ``compile`` (below), which a CUDA engine takes only when asked.
+
+    A model already serving another engine is shared, not loaded or prepared again: each engine has its own pool,
+    scheduler and KV tensors, and they take turns at the model's forward; the options that prepare the model
+    (``dtype``, ``device``, ``packed_weights``, ``attention_kernel``, ``compile``) must then equal the first engine's,
+    or the constructor raises ``ValueError``. The last engine on the model to shut down hands it back as it came.
+
+    ``eviction`` picks which cached page a full pool gives up first: a name of ``astrai.eviction.POLICIES`` ("lru",
+    the default, "fifo", "lfu" or "arc"); another raises ``ValueError``.
+
+    ``compile`` (the default on the CPU) serves the model compiled by ``torch.compile``, loaded from the on-disk
+    cache when this machine compiled that model before (seconds), else compiled now (a minute or so on 2 cores) and
+    cached (``compiled_forward.py``); where it cannot be compiled (no C++ compiler), the engine logs a warning and
+    serves eager. ``progress``, if given, is called with a line of text as a slow start goes (a cold compile), on the
+    constructor's thread. ``background_compile`` (the CPU only; e.g. ``precompile.in_child``) makes the start fast
+    instead: the engine serves eager at once while a thread builds the compiled forward with it, then switches to it
+    between two steps (``CacheStats.forward`` says which serves; ``model_runner.PreparedModel.compile``).
+
+    **Tenants.** The engine's own pool is its default tenant (this object *is* a ``Tenant``); ``add_tenant`` adds
+    more, each with a page quota carved out of ``tenant_pages`` (the KV tensors hold ``n_pages + tenant_pages``
+    pages), its own prefix index, eviction order, batch limit, preemptions and observation. Every step concatenates
+    every tenant's scheduled tokens into one forward; ``max_batched_tokens`` is shared, the tenant that schedules
+    first rotating each step. ``forwards`` counts those shared steps; ``steps`` (each tenant's own) counts the steps
+    a tenant took part in.
+
+    Threads and locks (who owns what):
+
+    * The **loop thread** (``astrai-engine``) is the only writer of every tenant's scheduler, cache manager and page
+      pool, the requests' progress and the model runner (with this engine's KV tensors). It mutates them under ``_lock``
+      and runs the forward *outside* it, reading only what no other thread writes (the scheduled requests' tokens
+      and page tables).
+    * The **model** is prepared once per model object and shared by every engine on it (``PreparedModel`` in
+      ``model_runner.py``): read-only while served, its forwards serialised by its ``SharedForwards`` lock, held
+      for one model call, never together with ``_lock``. While several engines on it are busy, their forwards run on
+      its one model thread (one OpenMP pool, ``model_thread.py``); otherwise an engine forwards on its loop thread.
+      Engines on one model wait for each other there only.
+    * **Caller threads** (``generate``, ``cancel``, ``clear``, the readers) take ``_lock`` (one for every tenant) for
+      a short critical section: submit appends to the waiting queue, ``cancel`` records ids that the loop applies
+      at its next step, ``clear`` unindexes cached pages. ``_work_arrived`` (a Condition on ``_lock``) wakes the
+      idle loop.
+    * **Observations** (events and the per-step history) sit behind each tenant's own ``_observed_lock``, taken after
+      ``_lock`` (never the other way round) and held only to append or copy. ``events()`` and ``history()`` never
+      wait for a schedule or a forward.
+    * The **explainer's key history** (``astrai.explain.LiveHistory``, one per tenant) gets each event from
+      ``_emit`` as it is stamped (``push`` only tries its lock, never waits) and is read by ``explain`` under that
+      lock, taken with no engine lock held.
+    * No user code runs under either lock: text deltas and errors are put on the consumers' queues after
+      ``_lock`` is released, and only by the loop thread, so each stream sees its items in order.
+    * ``shutdown()`` only flags the loop and waits; the loop itself fails what is left, drops its KV tensors and
+      releases its share of the model (the last engine on it hands the model back), so a forward that is still
+      running never sees its pages freed or its model changed.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        page_size: int = 16,
+        n_pages: int | None = None,
+        memory_budget_mb: float | None = None,
+        max_batch_size: int = 8,
+        max_seq_len: int | None = None,
+        max_batched_tokens: int = 512,
+        tenant_pages: int = 0,
+        prefix_caching: bool = True,
+        eviction: str = "lru",
+        dtype: str = "float32",
+        device: str | torch.device | None = None,
+        packed_weights: bool | None = None,
+        attention_kernel: bool | None = None,
+        compile: bool | None = None,
+        progress: Callable[[str], None] | None = None,
+        background_compile: BackgroundCompile | None = None,
+        event_log_size: int = 4096,
+        history_size: int = 4096,
+        keep_finished: int = 512,
+        explain_keys: int = 16384,
+    ):
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(SUPPORTED_DTYPES)}, got {dtype!r}")
+        for name, value in (
+            ("page_size", page_size),
+            ("max_batch_size", max_batch_size),
+            ("max_batched_tokens", max_batched_tokens),
+            ("event_log_size", event_log_size),
+            ("history_size", history_size),
+            ("keep_finished", keep_finished),
+            ("explain_keys", explain_keys),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(prefix_caching, bool):
+            raise ValueError(f"prefix_caching must be True or False, got {prefix_caching!r}")
+        if compile is not None and not isinstance(compile, bool):
+            raise ValueError(f"compile must be True, False or None (where it applies), got {compile!r}")
+        torch_dtype = SUPPORTED_DTYPES[dtype]
+        self.device = resolve_device(device)
+        preparation = Preparation.resolve(torch_dtype, self.device, packed_weights, attention_kernel, compile)
+        if n_pages is None:
+            budget = (memory_budget_mb or 256) * 2**20
+            n_pages = int(budget // (page_size * kv_bytes_per_token(model.config, torch_dtype)))
+        if not isinstance(n_pages, int) or n_pages < 1:
+            raise ValueError(f"n_pages must be an integer >= 1, got {n_pages!r}")
+        if isinstance(tenant_pages, bool) or not isinstance(tenant_pages, int) or tenant_pages < 0:
+            raise ValueError(f"tenant_pages must be an integer >= 0, got {tenant_pages!r}")
+        model_limit = getattr(model.config, "max_position_embeddings", None) or n_pages * page_size
+        self.max_seq_len = min(max_seq_len or model_limit, model_limit)
+        self.tokenizer: PreTrainedTokenizerBase = tokenizer
+        self.eos_ids = _eos_ids(model, tokenizer)
+
+        # every tenant's state: schedulers, caches, pools, requests, outputs
+        self._lock: threading.RLock = threading.RLock()
+        self._work_arrived = threading.Condition(self._lock)  # notified on submit, cancel, clear, close and shutdown
+        self._shutting_down = False
+        self._loop_error: BaseException | None = None
+        self.max_batched_tokens: int = max_batched_tokens  # per step, shared by every tenant
+        self._observation_sizes = (event_log_size, history_size, keep_finished, explain_keys)
+        self._reserve = PageRanges(n_pages, tenant_pages)  # the KV pages tenants' quotas are carved from
+        self._tenants: list[Tenant] = [self]  # the default first; the one that schedules first rotates
+        self._turn = 0
+        self.forwards = 0  # shared steps: one model forward each, every tenant's tokens in it
+        self._in_flight: set[Tenant] = set()  # tenants with work in the step now running (see ``Tenant.close``)
+
+        super().__init__(
+            self, n_pages, page_size, 0, max_batch_size, prefix_caching, eviction, *self._observation_sizes
+        )
+        self.runner = ModelRunner(model, n_pages + tenant_pages, page_size, preparation, progress, background_compile)
+        self._release_pool()  # this thread prepared the model; its idle OpenMP workers would slow the loop's
+        self._thread = threading.Thread(target=self._loop, name="astrai-engine", daemon=True)
+        self._thread.start()
+        _running_engines.add(self)
+
+    # ----- construction ---------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls, name_or_path: str, dtype: str = "float32", device: str | torch.device | None = None, **options: Any
+    ) -> InferenceEngine:
+        """Load a safetensors checkpoint with transformers (never pickle, never remote code).
+
+        The device is checked before anything loads; the fresh model is then moved there whole, so no host copy of
+        its weights outlives the load (an engine keeps the originals of a model it had to move, to hand it back).
+        """
+        target = resolve_device(device)
+        model, tokenizer = load_checkpoint(name_or_path, dtype)
+        # transformers decorates ``to`` with ``functools.wraps(nn.Module.to)``, which the stubs type as the unbound
+        # function (the model as its first argument): it is a method, moving the model in place and returning it
+        move = cast(Callable[[torch.device], PreTrainedModel], model.to)
+        return cls(move(target), tokenizer, dtype=dtype, device=target, **options)
+
+    def _release_pool(self) -> None:
+        """Free the calling thread's idle OpenMP workers (``openmp.py``), where the engine computes on them."""
+        if uses_openmp(self.device):
+            release_pool()
+
+    # ----- tenants --------------------------------------------------------------------------------------
+    def add_tenant(
+        self,
+        n_pages: int,
+        *,
+        max_batch_size: int = 8,
+        prefix_caching: bool = True,
+        eviction: str = "lru",
+        history_size: int | None = None,
+    ) -> Tenant:
+        """A pool of ``n_pages`` of its own, carved out of the ``tenant_pages`` reserve, served in this engine's
+        forwards; see ``Tenant``. ``history_size`` bounds its step history (the engine's by default). Raises
+        ``TenantReserveFull`` when no free range of the reserve is that large, ``ValueError`` on bad settings."""
+        for name, value in (("n_pages", n_pages), ("max_batch_size", max_batch_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(prefix_caching, bool):
+            raise ValueError(f"prefix_caching must be True or False, got {prefix_caching!r}")
+        events, history, keep, keys = self._observation_sizes
+        if history_size is not None:
+            if isinstance(history_size, bool) or not isinstance(history_size, int) or history_size < 1:
+                raise ValueError(f"history_size must be an integer >= 1, got {history_size!r}")
+            history = history_size
+        with self._lock:
+            self._check_engine()
+            offset = self._reserve.take(n_pages)
+            try:
+                tenant = Tenant(
+                    self, n_pages, self.pool.page_size, offset, max_batch_size, prefix_caching, eviction,
+                    events, history, keep, keys,
+                )  # fmt: skip
+            except BaseException:
+                self._reserve.release(offset, n_pages)
+                raise
+            self._tenants.append(tenant)
+            return tenant
+
+    @property
+    def tenants(self) -> list[Tenant]:
+        """The tenants added and not closed yet (the engine's own pool is not among them)."""
+        with self._lock:
+            return self._tenants[1:]
+
+    def shutdown(self, timeout: float = 10.0) -> bool:
+        """Stop the loop; unfinished requests get an ``EngineClosedError``.
+
+        The loop, not this call, fails the requests and releases the model once any running forward has returned;
+        the last engine sharing the model hands it back as it came. Returns True when that is done within
+        ``timeout``; False when a forward is still running (consumers are told at once anyway: their streams see
+        the engine closed within ``POLL_SECONDS``).
+        """
+        with self._lock:
+            self._shutting_down = True
+            self._work_arrived.notify_all()
+        _running_engines.discard(self)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("astrai shutdown: a step is still running; the loop will clean up when it returns")
+            return False
+        return True
+
+    def __enter__(self) -> InferenceEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def _check_engine(self) -> None:
+        if self._loop_error is not None:
+            raise EngineClosedError(f"the engine loop died: {self._loop_error!r}")
+        if self._shutting_down:
+            raise EngineClosedError("the engine is shut down")
+
+    # ----- the loop -------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        closing: Exception = EngineClosedError("the engine was shut down before this request finished")
+        try:
+            while True:
+                with self._lock:
+                    while not (self._shutting_down or any(t._has_business() for t in self._tenants)):
+                        self._release_pool()  # idle: free the OpenMP workers, which would slow other engines' steps
+                        self._work_arrived.wait()
+                    if self._shutting_down:
+                        return
+                    outbox = [item for tenant in self._tenants for item in tenant._apply_cancels()]
+                _deliver(outbox)
+                self._step()
+        except BaseException as exc:  # a bug in the loop itself: make every waiter see it
+            log.exception("astrai engine loop died")
+            self._loop_error = exc
+            closing = EngineClosedError(f"the engine loop died: {exc!r}")
+        finally:  # the loop, not shutdown(): no forward is running now, so pages and the model are safe to touch
+            with self._lock:
+                outbox = [
+                    item
+                    for t in self._tenants
+                    for item in t._fail([*t.scheduler.running, *t.scheduler.waiting], closing)
+                ]
+            _deliver(outbox)
+            self.runner.release()  # the last engine on the model restores it
+
+    def _step(self) -> None:
+        """Schedule every tenant, run one forward over all their tokens, sample, and stream each tenant's part.
+
+        A scheduling failure fails only that tenant's requests; a failed forward fails only this step's requests.
+        A tenant takes part in a step (it records a sample, with a step number of its own) when it computed tokens,
+        or a cancel, a ``clear()`` or an end changed its pool or its requests since its last step. The tenants with
+        work are ``_in_flight`` until the step is recorded: ``close()`` waits for that before it frees their pages.
+        """
+        started = time.perf_counter()
+        plans: list[tuple[Tenant, list[tuple[Request, int]], Counters]] = []
+        outbox: list[Delivery] = []
+        with self._lock:
+            budget = self.max_batched_tokens
+            for tenant in self._rotation():
+                before = tenant._counters()
+                try:
+                    work = tenant.scheduler.schedule(budget)
+                except Exception as exc:  # no trustworthy bookkeeping is left: fail everything it was juggling
+                    log.exception("astrai scheduling failed")
+                    outbox += tenant._fail_step([*tenant.scheduler.running, *tenant.scheduler.waiting], exc, before)
+                    continue
+                budget -= sum(count for _, count in work)
+                plans.append((tenant, work, before))
+            self._in_flight = {tenant for tenant, part, _ in plans if part}
+        work = [item for _, part, _ in plans for item in part]
+        try:
+            if work:
+                outbox += self._forward(plans, work, started)
+            else:
+                with self._lock:
+                    recorded = bool(outbox)
+                    for tenant, _, before in plans:
+                        if tenant.pool.touched or tenant._end_unrecorded:  # a cancel, clear() or end between steps
+                            tenant._record_step([], 0, before, started, [])
+                            recorded = True
+                    if not recorded:
+                        self._work_arrived.wait(0.01)
+        finally:
+            with self._lock:
+                self._in_flight = set()
+                self._work_arrived.notify_all()  # a close() waiting for this step
+        _deliver(outbox)
+
+    def _forward(
+        self,
+        plans: list[tuple[Tenant, list[tuple[Request, int]], Counters]],
+        work: list[tuple[Request, int]],
+        started: float,
+    ) -> list[Delivery]:
+        """The shared forward over every tenant's ``work``, then each tenant's part of the step; the stream items."""
+        outbox: list[Delivery] = []
+        try:
+            # before the step ends any request (an ended request's progress is reset)
+            decodes = [sum(req.decoded(count) for req, count in part) for _, part, _ in plans]
+            sampled = [req for req, count in work if req.num_computed + count == len(req.token_ids)]
+            logits = self.runner.step(work)
+            tokens = sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
+            by_request = dict(zip(sampled, tokens, strict=True))
+            with self._lock:
+                self.forwards += 1
+                for (tenant, part, before), decode in zip(plans, decodes, strict=True):
+                    if part or tenant.pool.touched or tenant._end_unrecorded:
+                        delivered, appended = tenant._finish_step(
+                            part, {r: by_request[r] for r, _ in part if r in by_request}
+                        )
+                        tenant._record_step(part, decode, before, started, appended)
+                        outbox += delivered
+        except Exception as exc:
+            log.exception("astrai step failed")
+            with self._lock:
+                for tenant, part, before in plans:
+                    if part or tenant.pool.touched or tenant._end_unrecorded:
+                        outbox += tenant._fail_step([req for req, _ in part], exc, before)
+        return outbox
+
+    def _rotation(self) -> list[Tenant]:
+        """The tenants in this step's scheduling order (a closed one, waiting for its last step to end, is left out):
+        who goes first (and so meets the shared token budget whole) moves one place each step."""
+        self._turn = (self._turn + 1) % len(self._tenants)
+        return [t for t in self._tenants[self._turn :] + self._tenants[: self._turn] if not t._closed]
+
+
+class PageRanges:
+    """The tenant reserve: KV pages ``start``..``start + size - 1`` of the engine's tensors, handed out as ranges.
+
+    First fit over the free ranges, kept sorted and merged with their neighbours on release, so a closed tenant's
+    pages are whole again for a larger tenant once its neighbours are gone too.
+    """
+
+    def __init__(self, start: int, size: int):
+        self._free: list[tuple[int, int]] = [(start, size)] if size else []  # (first page, pages), by first page
+        self.size = size
+
+    @property
+    def free_pages(self) -> int:
+        return sum(n for _, n in self._free)
+
+    def take(self, n: int) -> int:
+        """The first page of a free range of ``n`` pages, now taken; ``TenantReserveFull`` where none is left."""
+        for i, (first, size) in enumerate(self._free):
+            if size >= n:
+                self._free[i : i + 1] = [(first + n, size - n)] if size > n else []
+                return first
+        raise TenantReserveFull(
+            f"no {n} free pages in the engine's tenant reserve ({self.free_pages} of {self.size} free, the largest "
+            f"range {max((s for _, s in self._free), default=0)}): close a tenant, or give the engine more "
+            "tenant_pages"
+        )
+
+    def release(self, first: int, n: int) -> None:
+        """Give back the range ``take`` returned."""
+        bisect.insort(self._free, (first, n))
+        merged: list[tuple[int, int]] = []
+        for start, size in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + size)
+            else:
+                merged.append((start, size))
+        self._free = merged
+
+
+def _validate_prompts(prompts: object) -> list[str]:
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a str or a list of str, got {type(prompts).__name__}")
+    if not prompts:
+        raise ValueError("prompts is an empty list; give at least one prompt")
+    for i, text in enumerate(prompts):
+        if not isinstance(text, str):
+            raise TypeError(f"prompt {i} must be a str, got {type(text).__name__}")
+        if not text.strip():
+            raise ValueError(f"prompt {i} is empty or only whitespace")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"prompt {i} is not valid UTF-8 text ({exc.reason} at {exc.start})") from None
+    return list(prompts)
 
 
 def _deliver(outbox: list[Delivery]) -> None:

@@ -408,7 +408,7 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
         batch = build_paged_batch(
             self.kv_cache,
-            [(req.pages, req.num_computed, count) for req, count in work],
+            [(_kv_pages(req), req.num_computed, count) for req, count in work],
             self.page_size,
             self.paged_kernel,
         )
@@ -417,6 +417,11 @@ class ModelRunner:
         positions_t = to_device(_long_tensor(positions).view(1, -1), device)
         rows = to_device(_long_tensor(sample_rows), device)
         return self.prepared.forward(self, batch, tokens, positions_t, rows)
+
+
+def _kv_pages(req: Request) -> list[int]:
+    """The request's page table as pages of the engine's KV tensors: its tenant's numbers moved by its offset."""
+    return [page + req.page_offset for page in req.pages] if req.page_offset else req.pages
 
 
 def _long_tensor(values: array) -> torch.Tensor:

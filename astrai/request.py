@@ -47,6 +47,7 @@ class Request:
     first_token_at: float | None = None
     finished_at: float | None = None
     ended_step: int | None = None  # the engine step whose sample records its end (its pages given back)
+    page_offset: int = 0  # its tenant's first page among the engine's KV pages: ``pages`` are the tenant's numbers
 
     def __post_init__(self) -> None:
         if not self.token_ids:

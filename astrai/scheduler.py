@@ -45,10 +45,13 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[tuple[Request, int]]:
-        """Pick this step's work as (request, tokens to compute); pages for them are allocated on return."""
+    def schedule(self, budget: int | None = None) -> list[tuple[Request, int]]:
+        """Pick this step's work as (request, tokens to compute); pages for them are allocated on return.
+
+        ``budget``: the tokens left in this step (an engine shares one budget among its tenants); never more than
+        ``max_batched_tokens``."""
         scheduled: dict[Request, int] = {}
-        budget = self.max_batched_tokens
+        budget = self.max_batched_tokens if budget is None else min(budget, self.max_batched_tokens)
         preempted = False
         decodes = [r for r in self.running if len(r.token_ids) - r.num_computed == 1]
         prefills = [r for r in self.running if len(r.token_ids) - r.num_computed > 1]

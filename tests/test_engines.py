@@ -83,8 +83,12 @@ def test_custom_engines_are_bounded_with_a_clear_message():
 
 
 def test_engines_and_kv_memory_are_bounded():
-    default_mb = 96  # the embedded model: 3 KiB of KV per token, the default engine's 2048 pages of 16 tokens
-    engines = LocalEngines(max_engines=2, kv_budget_mb=default_mb + 1, idle_retire_s=3600, compile=False)
+    # the embedded model: 3 KiB of KV per token; the default engine's 2048 pages of 16 tokens, and as many again in
+    # its reserve for visitors' own pools
+    default_mb = 96 + 96
+    engines = LocalEngines(
+        max_engines=2, kv_budget_mb=default_mb + 1, idle_retire_s=3600, tenant_pages=2048, compile=False
+    )
     try:
         with pytest.raises(EngineLimitReached, match="MB of KV does not fit"):
             engines.ensure(custom(64))  # 3 MB: over the budget the default engine leaves

@@ -86,11 +86,11 @@ def test_a_faulty_scheduler_step_does_not_kill_the_loop(engine, monkeypatch):
     real = engine.scheduler.schedule
     calls = {"n": 0}
 
-    def broken():
+    def broken(*args):
         calls["n"] += 1
         if calls["n"] == 1:
             raise AssertionError("injected scheduler bug")
-        return real()
+        return real(*args)
 
     monkeypatch.setattr(engine.scheduler, "schedule", broken)
     with pytest.raises(RequestFailedError, match="injected scheduler bug"):

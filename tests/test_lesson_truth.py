@@ -59,7 +59,7 @@ def test_the_live_view_keeps_drawing_across_evictions(pg):
     eviction raised, the tree read "0 pages" and the hit-rate chart stayed empty (lesson step 3)."""
     session = "evicting"
     pg.setup.load_scenario(EVICTION.name, request(session), no_progress)
-    backend = pg.ctx.engines.backend(EVICTION.profile)
+    backend = pg.ctx.engines.backend(pg.ctx.visitors.peek(session).profile)  # the visitor's own small pool
     assert backend is not None
     updates = []
     for _ in range(2):
@@ -82,6 +82,8 @@ def test_clear_cache_leaves_a_pool_another_visitors_run_uses():
 
 def clear_under_a_run(pg: Playground) -> None:
     a, b = "runner-a", "clearer-b"
+    for session in (a, b):  # the small pool every visitor who chooses to share is on (else each has their own)
+        pg.setup.share_pools(True, request(session), no_progress)
     pg.setup.load_scenario(EVICTION.name, request(a), no_progress)
     pg.setup.load_scenario(EVICTION.name, request(b), no_progress)
     backend = pg.ctx.engines.backend(EVICTION.profile)
@@ -155,13 +157,14 @@ def test_a_recording_never_takes_in_the_steps_of_the_engine_that_replaced_its_ow
         pg.setup.load_scenario(EVICTION.name, request(session), no_progress)
         run_to_the_end(pg, session, scenario_fields(pg, EVICTION.name, max_tokens=4))
         visitor = pg.ctx.visitors.peek(session)
-        old = pg.ctx.engines.backend(EVICTION.profile)
-        assert old is not None and visitor.recording is not None
+        own = visitor.profile  # the visitor's own small pool: a tenant, retired (closed) and made again the same way
+        old = pg.ctx.engines.backend(own)
+        assert own.owner is not None and old is not None and visitor.recording is not None
         visitor.recording = dataclasses.replace(visitor.recording, closed=False)  # as if its end were still to come
         pg.ctx.engines._idle_retire_s = 0.0  # the small pool is retired at the next look
-        assert pg.ctx.engines.backend(EVICTION.profile) is None
+        assert pg.ctx.engines.backend(own) is None
         pg.ctx.engines._idle_retire_s = 3600.0
-        new = pg.ctx.engines.ensure(EVICTION.profile)
+        new = pg.ctx.engines.ensure(own)
         assert new.generation != old.generation
         list(new.submit(["Once upon a time"], SamplingParams(max_tokens=4), None))
         kept = len(visitor.recording.samples)

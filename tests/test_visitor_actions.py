@@ -46,6 +46,8 @@ from astrai.playground.views import replay, text, tree
 from astrai.playground.views.causes import TABLE_CAUSES
 from tests.support.playground import Playground, no_progress, playground, request
 
+PER_VISITOR = {s.profile: s.profile for s in SCENARIOS if s.profile.per_visitor}  # equal settings: the same pool
+
 VISITORS = ("ann", "ben", "cy")
 EVICTION = SCENARIO_BY_NAME["Eviction pressure (small pool)"]
 SHORT_PROMPTS = ("Once upon a time", "Tom had a red ball and", "The cat sat on", "Lily went to the park. She", "A dog")
@@ -363,11 +365,17 @@ class VisitorActions(RuleBasedStateMachine):
         return surely, maybe
 
     # ----- rules ------------------------------------------------------------------------------------------------
-    @initialize(places=st.lists(st.sampled_from(PLACES), min_size=len(VISITORS), max_size=len(VISITORS)))
-    def arrive(self, places):
-        """Each visitor opens the page and goes where the pages are few: the small pool, or tiny settings."""
+    @initialize(
+        places=st.lists(st.sampled_from(PLACES), min_size=len(VISITORS), max_size=len(VISITORS)),
+        shares=st.lists(st.booleans(), min_size=len(VISITORS), max_size=len(VISITORS)),
+    )
+    def arrive(self, places, shares):
+        """Each visitor opens the page, says whether the lesson's small pools are their own or the one shared with
+        everyone, and goes where the pages are few: the small pool, or tiny settings."""
         self.actors = set(VISITORS)
-        for v, place in zip(VISITORS, places, strict=True):
+        for v, place, share in zip(VISITORS, places, shares, strict=True):
+            if share:
+                self.pg.setup.share_pools(True, self.req(v), no_progress)
             if isinstance(place, str):
                 self.go(v, place)
             else:
@@ -495,6 +503,11 @@ class VisitorActions(RuleBasedStateMachine):
         self.absorb(v, update)
         status = update[self.ui.setup.engine.status]
         if status.startswith("✅"):
+            profile = PER_VISITOR.get(profile, profile)
+            visitor = self.visitor(v)
+            assert visitor is not None
+            if profile.per_visitor and not visitor.shared_pools and "You share this pool" not in status:
+                profile = self.pg.ctx.engines.own(profile, self.session[v])  # a pool of their own
             self.profile[v] = profile
             self.tally.counts["moved"] += 1
         else:

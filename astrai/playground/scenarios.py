@@ -81,8 +81,8 @@ SCENARIOS = [
     ),
     Scenario(
         name="Eviction pressure (small pool)",
-        explanation="A 40-page pool cannot hold six long stories. Run twice: the LRU fills with cached pages, "
-        "then drains as evictions (red flashes) make room, and newer requests may be preempted.",
+        explanation="A 40-page pool of your own cannot hold six long stories. Run twice: the LRU fills with cached "
+        "pages, then drains as evictions (red flashes) make room, and newer requests may be preempted.",
         prompts=[
             "Once upon a time there was a tiny frog",
             "Tom had a red ball and",
@@ -123,7 +123,7 @@ FISHERMAN = (
 )
 WHY = Scenario(
     name="Why did it miss?",
-    explanation="An engine that runs one request at a time in a pool of 9 pages, each run in a cold cache of its own: "
+    explanation="A pool of your own of 9 pages that runs one request at a time, each run in a cold cache of its own: "
     "panel 1 computes its story, panel 2 an unrelated one, panel 3 asks for panel 1's story and more, panel 4 a "
     "variant of it. Open 'Prompt tokens' and hover each coloured run of tokens for why it was cached or computed.",
     prompts=[
@@ -246,8 +246,7 @@ LESSON = [
         "1's after its first token (every prompt starts with ⟨s⟩), the rest is new. Panel 3 repeats panel 1's prompt: "
         "its first pages are still cached, but the page after them was evicted to make room for panel 2's answer "
         "(red; hover for the step). Panel 4 shares panel 1's first page and diverges in its second. Whatever follows a "
-        "prompt's last full page is computed (a partial page), and so is its last token, always. In a busy class "
-        "other visitors share this 9-page pool: more may read evicted.",
+        "prompt's last full page is computed (a partial page), and so is its last token, always.",
     ),
 ]
 

@@ -57,6 +57,7 @@ class Visitor:
     """One session's view state."""
 
     profile: Profile  # the engine this visitor is on: the scenario's, or their own settings'
+    shared_pools: bool = False  # the lesson's small pools: the one every visitor shares, not a pool of their own
     recording: Recording | None = None
     following: bool = True  # live: the replay slider and the charts follow the latest step
     streaming_since: float | None = None  # monotonic start of this visitor's streaming run (charts redraw less)

@@ -14,6 +14,10 @@ Invariants (all under ``_lock``, which is held only to read or change the table,
 - The operator bounds what visitors can make: ``max_engines`` engines in all, ``max_custom`` of them from visitors'
   own settings, and ``kv_budget_mb`` of KV pools in all. Past a bound the visitor gets ``EngineLimitReached``
   with a message; nothing serving changes.
+- A visitor's own pool (a profile with an ``owner``, from ``own``) is a tenant of the default engine: its pages
+  come out of that engine's reserve (``tenant_pages``, counted in the default engine's KV), its steps are the
+  default engine's forwards, and it is made, held and retired as a slot like any other. It counts against no
+  engine bound; past the reserve, ``EngineLimitReached``.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from dataclasses import dataclass, field
 
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from astrai import SUPPORTED_DTYPES, InferenceEngine, precompile
+from astrai import SUPPORTED_DTYPES, InferenceEngine, TenantReserveFull, precompile
 from astrai.checkpoints import load_checkpoint
 from astrai.model_runner import kv_bytes_per_token
 from astrai.playground import knobs
@@ -36,6 +40,7 @@ from astrai.playground.backends.profiles import DEFAULT_PROFILE, Profile, model_
 from astrai.playground.backends.protocol import BackendError, EngineLimitReached, EngineView, Progress
 
 log = logging.getLogger("astrai.playground")
+OWN_POOL_HISTORY = 1024  # steps a visitor's own pool keeps (a run of the lesson's small pools takes ~200)
 
 
 @dataclass
@@ -71,14 +76,18 @@ class LocalEngines:
         max_custom: int = knobs.MAX_CUSTOM_ENGINES,
         kv_budget_mb: float = knobs.KV_BUDGET_MB,
         idle_retire_s: float = knobs.ENGINE_IDLE_S,
+        tenant_pages: int = knobs.TENANT_PAGES,
         compile: bool | None = None,
     ):
         """``compile``: the engines serve the model compiled or eager; None, the engine's default (compiled on the
         CPU). A model's first engine serves eager at once while its compiled forward is loaded from disk or, the
         first time on a machine, compiled in a child process at a lower priority (``precompile.in_child``); it and
         every engine on the model switch to it once it is ready. So neither the app's start nor a visitor's new
-        engine waits for a compile (20-80 s on 2 cores), and no compile holds the serving process's GIL."""
+        engine waits for a compile (20-80 s on 2 cores), and no compile holds the serving process's GIL.
+        ``tenant_pages``: the default engine's reserve for visitors' own pools (0: every visitor shares the profile's
+        engine)."""
         self._default = default
+        self._tenant_pages = tenant_pages
         self._compile = compile
         self._choices = model_choices(allow_hub)
         self._max_engines, self._max_custom = max_engines, max_custom
@@ -114,6 +123,8 @@ class LocalEngines:
         elif not slot.ready.is_set() and progress is not None:
             progress(0.5, f"Another visitor is building {profile.engine}…")
         slot.ready.wait()
+        if isinstance(slot.error, BackendError):  # past a bound: its own message
+            raise slot.error
         if slot.error is not None or slot.backend is None:
             raise BackendError(f"Could not build {profile.engine}: {slot.error}")
         return slot.backend
@@ -135,7 +146,22 @@ class LocalEngines:
                 slot.last_used = time.monotonic()
 
     def view(self, profile: Profile, visitors: int) -> EngineView:
-        return EngineView(name=profile.name, description=profile.settings.describe(), visitors=visitors)
+        if profile.owner is None:
+            return EngineView(name=profile.name, description=profile.settings.describe(), visitors=visitors)
+        description = f"{profile.settings.describe()}, run in the default engine's batches"
+        return EngineView(name=f"your own {profile.name}", description=description, visitors=visitors)
+
+    def own(self, profile: Profile, session: str) -> Profile:
+        """A pool of ``session``'s own with ``profile``'s settings, where the default engine can host it (the same
+        model, dtype and page size, and a reserve): then ``profile.own(session)``; else ``profile`` itself."""
+        default = self._default.settings
+        settings = profile.settings
+        hostable = (profile.model, settings.dtype, settings.page_size) == (
+            self._default.model,
+            default.dtype,
+            default.page_size,
+        )
+        return profile.own(session) if hostable and settings.n_pages <= self._tenant_pages else profile
 
     def without_caching(self, profile: Profile) -> Profile:
         return without_caching(profile)
@@ -184,9 +210,9 @@ class LocalEngines:
         return slot
 
     def _check_bounds(self, new: _Slot) -> None:
-        slots = list(self._slots.values())
-        if not slots:
-            return  # the default engine: the operator's own choice, always built
+        slots = [slot for slot in self._slots.values() if slot.profile.owner is None]  # engines, not own pools
+        if not slots or new.profile.owner is not None:
+            return  # the default engine (the operator's own choice, always built), or a pool in its reserve
         if len(slots) >= self._max_engines:
             raise EngineLimitReached(
                 f"This Space already runs {len(slots)} engines, its limit: use a scenario's engine, or try again "
@@ -209,6 +235,8 @@ class LocalEngines:
         and kept (a hub model's may come over the network). Never called under ``_lock``: every visitor's 1 Hz poll
         takes it, and a fetch of 3 s held it for as long."""
         settings = profile.settings
+        if profile.owner is not None:
+            return 0  # its pages are the default engine's reserve, counted with that engine
         with self._lock:
             loaded = self._models.get((profile.model, settings.dtype))
             config = loaded.config if loaded is not None else self._configs.get(profile.model)
@@ -222,12 +250,16 @@ class LocalEngines:
             with self._lock:
                 self._configs[profile.model] = config
         per_token = kv_bytes_per_token(config, SUPPORTED_DTYPES[settings.dtype])
-        return settings.n_pages * settings.page_size * per_token
+        reserve = self._tenant_pages if profile == self._default else 0
+        return (settings.n_pages + reserve) * settings.page_size * per_token
 
     def _build(self, slot: _Slot, progress: Progress | None) -> None:
         profile, settings = slot.profile, slot.profile.settings
         started = time.monotonic()
         try:
+            if profile.owner is not None:
+                slot.backend = self._own_pool(profile)
+                return
             if progress is not None:
                 progress(0.1, f"Building {profile.engine} ({settings.describe()})…")
             model = self._model(profile.model, settings.dtype)
@@ -240,6 +272,7 @@ class LocalEngines:
                 prefix_caching=settings.prefix_caching,
                 dtype=settings.dtype,
                 eviction=settings.eviction,
+                tenant_pages=self._tenant_pages if profile == self._default else 0,
                 compile=self._compile,
                 background_compile=precompile.in_child(self._choices[profile.model], settings.dtype),
             )
@@ -252,6 +285,26 @@ class LocalEngines:
                     del self._slots[profile]
         finally:
             slot.ready.set()
+
+    def _own_pool(self, profile: Profile) -> LocalBackend:
+        """A tenant of the default engine with ``profile``'s pool and batch: a visitor's own pool."""
+        settings = profile.settings
+        host = self.ensure(self._default).engine
+        assert host is not None  # the default profile's backend is an engine, never a tenant
+        try:
+            tenant = host.add_tenant(
+                settings.n_pages,
+                max_batch_size=settings.max_batch_size,
+                prefix_caching=settings.prefix_caching,
+                eviction=settings.eviction,
+                history_size=OWN_POOL_HISTORY,
+            )
+        except TenantReserveFull as exc:
+            log.info("no own pool for a visitor: %s", exc)
+            raise EngineLimitReached(
+                f"The {self._tenant_pages} pages this Space keeps for visitors' own pools are taken."
+            ) from exc
+        return LocalBackend(tenant, profile.model)
 
     def _model(self, label: str, dtype: str) -> _Model:
         """The loaded model for ``label`` in ``dtype``: loaded once, shared by every engine over it. Only the

@@ -7,7 +7,7 @@ import itertools
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 
-from astrai import EngineClosedError, InferenceEngine, RequestFailedError, SamplingParams
+from astrai import EngineClosedError, InferenceEngine, RequestFailedError, SamplingParams, Tenant
 from astrai.explain import Explanation
 from astrai.observation import CacheSnapshot, CacheStats, EngineEvent, RequestInfo, StepSample
 from astrai.playground.backends.protocol import (
@@ -44,16 +44,18 @@ _generations = itertools.count(1)
 
 
 class LocalBackend:
-    """One engine and its label. Its generation is its own, unique in the process: a profile's engine is never
-    rebuilt in place, and the engine that replaces a retired one has another generation, so nothing recorded from the
-    old one (a replay, a live view's cursor) takes in the new one's steps, whose numbers start again."""
+    """One engine, or one tenant of an engine (a visitor's own pool, served in that engine's forwards), and its
+    label; both have the same surface, and everything read here is that pool's own. Its generation is its own,
+    unique in the process: a profile's engine is never rebuilt in place, and the engine (or tenant) that replaces a
+    retired one has another generation, so nothing recorded from the old one (a replay, a live view's cursor) takes
+    in the new one's steps, whose numbers start again."""
 
     derived: frozenset[str] = frozenset()  # the engine reports every field itself
     caveat = None  # the engine's page map is always whole
     replicas: tuple[ReplicaView, ...] = ()  # one engine: its own observation is the whole cache
     routers: tuple[RouterView, ...] = ()
 
-    def __init__(self, engine: InferenceEngine, label: str):
+    def __init__(self, engine: Tenant, label: str):
         self._engine = engine
         self._label = label
         self.generation = next(_generations)
@@ -62,8 +64,17 @@ class LocalBackend:
     def label(self) -> str:
         return self._label
 
+    @property
+    def engine(self) -> InferenceEngine | None:
+        """The engine, where this backend serves one (not a tenant of one): the host of visitors' own pools."""
+        return self._engine if isinstance(self._engine, InferenceEngine) else None
+
     def shutdown(self) -> None:
-        self._engine.shutdown()
+        """Stop the engine, or close the tenant (its pages go back to its engine's reserve)."""
+        if isinstance(self._engine, InferenceEngine):
+            self._engine.shutdown()
+        else:
+            self._engine.close()
 
     def format_prompt(self, prefix: str, prompt: str) -> str:
         return format_prompt(self._engine.tokenizer, prefix, prompt)

@@ -12,6 +12,7 @@ loading one downloads it into the shared process.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,11 +85,18 @@ class Profile:
     settings: EngineSettings = field(default_factory=EngineSettings)
     name: str = field(default="default", compare=False)
     custom: bool = field(default=False, compare=False)  # made from a visitor's settings: counts against the bound
+    # a lesson's small pool each visitor gets one of their own (``own``), unless they choose the shared one
+    per_visitor: bool = field(default=False, compare=False)
+    # whose own pool this is (an opaque digest of their session): a tenant of the default engine, served in its
+    # forwards, never shared; None, an engine of its own that every visitor on the profile shares
+    owner: str | None = None
 
     @property
     def engine(self) -> str:
         """Its engine in a sentence: "the “your own settings” engine" (a name in running text needs its quotes:
         "Building the your own settings engine" read as a typo)."""
+        if self.owner is not None:
+            return f"your own “{self.name}” pool"
         return f"the “{self.name}” engine"
 
     @property
@@ -96,14 +104,29 @@ class Profile:
         """A stable text key (gr.State and logs): equal profiles have equal keys."""
         s = self.settings
         caching = "cache" if s.prefix_caching else "nocache"
-        return f"{self.model}|p{s.page_size}|n{s.n_pages}|b{s.max_batch_size}|{caching}|{s.dtype}|{s.eviction}"
+        key = f"{self.model}|p{s.page_size}|n{s.n_pages}|b{s.max_batch_size}|{caching}|{s.dtype}|{s.eviction}"
+        return key if self.owner is None else f"{key}|own:{self.owner}"
+
+    def own(self, session: str) -> Profile:
+        """This pool's settings as a pool of ``session``'s own (a tenant of the default engine)."""
+        owner = hashlib.blake2b(session.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+        return dataclasses.replace(self, owner=owner)
+
+    def shared(self) -> Profile:
+        """The profile every visitor shares: this one without an owner."""
+        return self if self.owner is None else dataclasses.replace(self, owner=None)
 
 
 DEFAULT_PROFILE = Profile()
-SMALL_POOL_PROFILE = Profile(settings=EngineSettings(page_size=16, n_pages=40, max_batch_size=8), name="small pool")
+# The lesson's small pools teach what pool pressure does to a visitor's own requests: each visitor gets one of
+# their own (``per_visitor``), served in the default engine's forwards, so a class pressing Run at once queues on
+# nothing, and no one's run evicts or preempts another's
+SMALL_POOL_PROFILE = Profile(
+    settings=EngineSettings(page_size=16, n_pages=40, max_batch_size=8), name="small pool", per_visitor=True
+)
 # One request at a time in 9 pages: each panel of "Why did it miss?" finds the cache as the panels before it left it
 ONE_AT_A_TIME_PROFILE = Profile(
-    settings=EngineSettings(page_size=16, n_pages=9, max_batch_size=1), name="one at a time, 9 pages"
+    settings=EngineSettings(page_size=16, n_pages=9, max_batch_size=1), name="one at a time, 9 pages", per_visitor=True
 )
 
 
@@ -112,4 +135,4 @@ def without_caching(profile: Profile) -> Profile:
     comparison's pages never take the place of anyone's cached pages, and its lookups never lower the hit rate of the
     engine that visitors share."""
     settings = dataclasses.replace(profile.settings, prefix_caching=False)
-    return Profile(profile.model, settings, name=f"{profile.name}, caching off", custom=profile.custom)
+    return dataclasses.replace(profile, settings=settings, name=f"{profile.name}, caching off")

@@ -255,6 +255,11 @@ class Engines(Protocol):
 
     def view(self, profile: Profile, visitors: int) -> EngineView: ...
 
+    def own(self, profile: Profile, session: str) -> Profile:
+        """The profile of a pool of ``session``'s own with ``profile``'s settings (never shared: no one else's run
+        evicts or preempts theirs), where pools can be made so; else ``profile``."""
+        ...
+
     def without_caching(self, profile: Profile) -> Profile | None:
         """The profile of an engine like ``profile``'s with prefix caching off, where Compare runs its second half;
         None where every profile is served by one pool (a server's own)."""
@@ -299,6 +304,9 @@ class SingleServer:
         return EngineView(
             name="the server's own pool", description="its pool and batch are the server's", visitors=visitors
         )
+
+    def own(self, profile: Profile, session: str) -> Profile:
+        return profile  # the server's pool is the only one
 
     def without_caching(self, profile: Profile) -> None:
         return None  # the server's pool is the only one

@@ -2,6 +2,8 @@
 
 Picking a scenario moves only the visitor to its profile's engine (built on first use, then shared); the Engine
 settings give the visitor a profile of their own. No choice here rebuilds or stops an engine that serves anyone.
+A lesson's small pool (``Profile.per_visitor``) is the visitor's own (``Engines.own``: a tenant of the default
+engine), unless they ticked "one pool shared with everyone", or the reserve for own pools is full (they are told).
 """
 
 from __future__ import annotations
@@ -102,12 +104,36 @@ class SetupCallbacks:
         profile = self.known.get(wanted, wanted)  # a scenario's settings: that scenario's engine
         return self._move(session_of(request), profile, progress)  # its status says where the visitor is now
 
+    def share_pools(
+        self,
+        shared: bool,
+        request: gr.Request,
+        progress: gr.Progress = gr.Progress(),  # noqa: B008 - gradio injects it
+    ) -> Update:
+        """The "one pool shared with everyone" choice: the visitor on a lesson's small pool moves at once."""
+        session = session_of(request)
+        visitor = self.ctx.visitors.act(session)
+        visitor.shared_pools = bool(shared)
+        if not visitor.profile.per_visitor:
+            return {self.ui.setup.engine.status: "The lesson's small-pool steps will use this choice."}
+        return self._move(session, visitor.profile.shared(), progress)
+
     def _move(self, session: str, profile: Profile, progress: gr.Progress) -> Update:
-        """Put the visitor on ``profile``'s engine (building it when needed); show its settings."""
+        """Put the visitor on ``profile``'s engine (building it when needed); show its settings. A lesson's small
+        pool becomes the visitor's own, unless they chose to share it; past the reserve for own pools, shared."""
         engines, engine_form = self.ctx.engines, self.ui.setup.engine
         if not engines.chooses_pools:
             return {engine_form.status: self._server_note(profile)}
         visitor = self.ctx.visitors.act(session)
+        note = ""
+        if profile.per_visitor and not visitor.shared_pools:
+            own = engines.own(profile, session)
+            try:
+                engines.ensure(own)
+                profile = own
+            except BackendError as exc:  # past the reserve for own pools (EngineLimitReached), or it failed
+                note = f" ⚠️ {exc} You share this pool with everyone else on it: their runs may evict your pages."
+                gr.Warning(note)
         try:
             engines.ensure(profile, lambda done, what: progress(done, desc=what))
         except EngineLimitReached as exc:
@@ -127,11 +153,18 @@ class SetupCallbacks:
             engine_form.dtype: settings.dtype,
             engine_form.eviction: settings.eviction,
             self.ui.cache.cursor: None,  # the live view draws the new engine from scratch
-            engine_form.status: self._status(profile),
+            engine_form.status: self._status(profile) + note,
         }
 
     def _status(self, profile: Profile) -> str:
-        return f"✅ You are on **{profile.engine}** ({profile.settings.describe()})."
+        status = f"✅ You are on **{profile.engine}** ({profile.settings.describe()})."
+        if profile.owner is not None:
+            status += (
+                " No one else's run evicts or preempts your pages; your tokens run in the default engine's batches."
+            )
+        elif profile.per_visitor:
+            status += " Everyone on this step who chose to share is on this pool."
+        return status
 
     @staticmethod
     def _server_note(profile: Profile) -> str:
@@ -179,6 +212,15 @@ class SetupCallbacks:
                 show_progress_on=setup.note,
             ).then(fn=None, inputs=setup.note, js=highlight_js(self.ctx.lesson))
         demo.load(fn=None, inputs=setup.note, js=highlight_js(self.ctx.lesson))  # a fresh page: the first step outlined
+        engine.shared_pools.input(
+            self.share_pools,
+            engine.shared_pools,
+            engine_outputs,
+            api_name="share_pools",
+            concurrency_limit=4,
+            concurrency_id="setup",
+            show_progress_on=engine.status,
+        )
         inputs, apply = by_name(ui.engine_fields(), self.apply_settings)
         engine.apply.click(
             apply,

@@ -106,6 +106,7 @@ class EngineForm:
     eviction: gr.Dropdown
     apply: gr.Button
     status: gr.Markdown
+    shared_pools: gr.Checkbox  # the lesson's small pools: one shared with everyone instead of the visitor's own
 
 
 @dataclass(frozen=True)

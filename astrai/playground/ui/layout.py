@@ -283,5 +283,12 @@ def _engine_form(default: Profile, model_choices: list[str], chooses_pools: bool
                 elem_id="engine_eviction",
             )
         apply = gr.Button("Apply settings / load model", elem_id="apply_btn")
+        shared_pools = gr.Checkbox(
+            False,
+            label="Small-pool lesson steps: one pool shared with everyone (to show a class one pool), not your own",
+            elem_id="shared_pools",
+        )
         status = gr.Markdown(elem_id="engine_status")
-    return EngineForm(model, page_size, n_pages, max_batch, prefix_caching, dtype, eviction, apply, status)
+    return EngineForm(
+        model, page_size, n_pages, max_batch, prefix_caching, dtype, eviction, apply, status, shared_pools
+    )
