@@ -62,6 +62,10 @@ class LocalBackend:
     def label(self) -> str:
         return self._label
 
+    @property
+    def steps(self) -> int:
+        return self._engine.steps  # an int the loop alone writes: read without the engine's lock
+
     def shutdown(self) -> None:
         self._engine.shutdown()
 

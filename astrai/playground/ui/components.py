@@ -66,6 +66,7 @@ class CacheViews:
     live_charts: gr.Checkbox
     cursor: gr.State  # the live view's ``LiveCursor``
     timer: gr.Timer
+    visibility: gr.Button  # in the page, never shown: clicked by the page when its tab is hidden or shown again
 
 
 @dataclass(frozen=True)
