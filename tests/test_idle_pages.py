@@ -15,6 +15,7 @@ import gradio as gr
 import pytest
 
 from astrai.playground.backends.engines import LocalEngines
+from astrai.playground.callbacks import live
 from astrai.playground.callbacks.context import Context
 from astrai.playground.callbacks.live import LiveCallbacks
 from astrai.playground.callbacks.pacing import StreamingRuns
@@ -93,16 +94,19 @@ async def _page(wired: Wired, session: str, seconds: float, cursor: Any = None) 
 def test_an_idle_page_reads_nothing_of_its_engine_each_second(wired, monkeypatch):
     """Once settled, an open page on a quiet engine builds no view, tick after tick: the 1 Hz poll read the stats
     and the events (and built the stats line) every second, 2.6% of a core per open page."""
+    monkeypatch.setattr(live, "IDLE_WAIT_S", 2.0, raising=False)  # waits that end with nothing new, in the span
     backend = wired.ctx.engines.ensure(wired.ctx.engines.default)
     cursor, _ = asyncio.run(_page(wired, "idle", 2.5))  # the fresh page draws, the next tick settles
     reads = Reads(backend, monkeypatch)
-    asyncio.run(asyncio.wait_for(_page(wired, "idle", IDLE_S, cursor), IDLE_S + 30))
+    _, answers = asyncio.run(asyncio.wait_for(_page(wired, "idle", IDLE_S, cursor), IDLE_S + 30))
     assert reads.count <= 1, f"{reads.count} reads of the engine in {IDLE_S:.0f} s of an idle page"
+    assert all(update for _, update in answers), "an answer names an output (Gradio refuses an empty dict)"
 
 
 def test_a_run_by_another_visitor_is_drawn_within_about_a_second(wired):
     """The waiting tick answers as soon as the engine steps: another visitor's run on the same engine reaches an
-    idle page's page map within a second of its first step."""
+    idle page's page map within a look (``CHECK_EVERY_S``) and a draw of its first step; 2 s leaves the draw room
+    on a loaded machine, and a tick that waited out ``IDLE_WAIT_S`` instead fails it."""
     backend = wired.ctx.engines.ensure(wired.ctx.engines.default)
 
     async def scenario() -> float:
@@ -122,4 +126,4 @@ def test_a_run_by_another_visitor_is_drawn_within_about_a_second(wired):
         assert wired.ui.cache.page_map in update, "the change was drawn"
         return latency
 
-    assert asyncio.run(scenario()) < 1.0
+    assert asyncio.run(scenario()) < 2.0

@@ -22,13 +22,19 @@ from pathlib import Path
 from tools.browser import open_visitors
 from tools.loadtest import APP, cpu_description, start_app
 
-HIDE_JS = """
-() => {
-  Object.defineProperty(document, 'visibilityState', {value: 'hidden', configurable: true});
-  Object.defineProperty(document, 'hidden', {value: true, configurable: true});
+
+def visibility_js(hidden: bool) -> str:
+    """A script that makes the page's tab look hidden (or shown again) to the page, as a browser tells it."""
+    state = "hidden" if hidden else "visible"
+    return f"""
+() => {{
+  Object.defineProperty(document, 'visibilityState', {{value: '{state}', configurable: true}});
+  Object.defineProperty(document, 'hidden', {{value: {str(hidden).lower()}, configurable: true}});
   document.dispatchEvent(new Event('visibilitychange'));
-}
+}}
 """
+
+
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -54,7 +60,7 @@ def one_round(app: Path, pages: int, seconds: float, settle: float) -> dict[str,
             time.sleep(settle)
             visible = core_percent(launched.pid, seconds)
             for page in opened:
-                page.evaluate(HIDE_JS)
+                page.evaluate(visibility_js(hidden=True))
             time.sleep(settle)
             hidden = core_percent(launched.pid, seconds)
     return {"alone": alone, "visible": (visible - alone) / pages, "hidden": (hidden - alone) / pages}

@@ -98,7 +98,7 @@ class LiveCallbacks:
         deadline = time.monotonic() + IDLE_WAIT_S
         while self.idle(cursor, session):
             if time.monotonic() >= deadline:
-                return {}
+                return {self.ui.cache.cursor: cursor}  # nothing new (Gradio takes an empty dict for one value)
             await asyncio.sleep(CHECK_EVERY_S)
         return await anyio.to_thread.run_sync(self.refresh, cursor, request, limiter=self._draws)
 
@@ -269,17 +269,12 @@ class LiveCallbacks:
                 api_visibility="private",
                 **QUIET,
             )
-        # waiting ticks hold no thread and may be as many as the open tabs: DRAWS_AT_ONCE bounds the drawing ones
-        cache.timer.tick(
-            self.watch,
-            cache.cursor,
-            outputs,
-            api_name="refresh",
-            api_visibility="undocumented",
-            concurrency_limit=None,
-            **QUIET,
-        )
-        demo.load(self.refresh, cache.cursor, outputs, api_visibility="private", **QUIET)
+        # Not queued: Gradio's queue holds one of its 40 job slots (``max_threads``) per event being processed, so
+        # thirty waiting ticks would leave the visitors' runs ten. A plain request waits holding no slot and no
+        # thread, and costs less than a queued event (no status messages); DRAWS_AT_ONCE bounds the drawing ones.
+        cache.timer.tick(self.watch, cache.cursor, outputs, api_visibility="private", queue=False, **QUIET)
+        # /refresh answers at once (clients and tests read the view through it; it never waits for a change)
+        demo.load(self.refresh, cache.cursor, outputs, api_name="refresh", api_visibility="undocumented", **QUIET)
         demo.load(None, js=WATCH_VISIBILITY_JS)
 
 
