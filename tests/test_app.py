@@ -436,9 +436,9 @@ def test_browser_two_visitors_one_scenario_each_neither_disturbs_the_other(serve
 
 @pytest.mark.browser
 def test_browser_a_hidden_tab_sends_no_ticks_and_starts_again_when_shown(page, client):
-    """A tab the browser hides stops its live view's timer (the Page Visibility API): while another visitor's run
-    changes the page's engine (which wakes a waiting tick), a hidden tab sends no tick at all; shown again, it
-    ticks within seconds. With the old 1 Hz poll, or no visibility hook, the hidden tab ticked through the run."""
+    """A tab the browser hides sends no tick (Gradio 6.31's Timer ticks only while ``document.visibilityState`` is
+    "visible": the live view relies on it, ``callbacks/live.py``): while another visitor's run changes the page's
+    engine, which wakes a waiting tick, a hidden tab asks for nothing more; shown again, it ticks within seconds."""
     page.wait_for_function("document.querySelector('#stats').innerText.length > 0", timeout=30000)
     page.wait_for_timeout(3000)  # the first drawing done, the next tick settled
     page.evaluate(visibility_js(hidden=True))

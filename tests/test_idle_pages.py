@@ -78,6 +78,17 @@ class Reads:
         return counted
 
 
+async def _settled(wired: Wired, session: str) -> Any:
+    """A fresh page's timer run until its live view has drawn everything and found nothing moving (the cursor
+    settled: a fresh page draws, and the tick after it redraws all once nothing moved)."""
+    cursor = None
+    for _ in range(30):
+        cursor, _ = await _page(wired, session, 0.5, cursor)
+        if cursor is not None and cursor.settled:
+            return cursor
+    raise AssertionError(f"the live view never settled: {cursor}")
+
+
 async def _page(wired: Wired, session: str, seconds: float, cursor: Any = None) -> tuple[Any, list[tuple[float, dict]]]:
     """A page's timer for ``seconds``: a tick each ``REFRESH_SECONDS``, none sent while the last is pending."""
     answers: list[tuple[float, dict]] = []
@@ -96,7 +107,7 @@ def test_an_idle_page_reads_nothing_of_its_engine_each_second(wired, monkeypatch
     and the events (and built the stats line) every second, 2.6% of a core per open page."""
     monkeypatch.setattr(live, "IDLE_WAIT_S", 2.0, raising=False)  # waits that end with nothing new, in the span
     backend = wired.ctx.engines.ensure(wired.ctx.engines.default)
-    cursor, _ = asyncio.run(_page(wired, "idle", 2.5))  # the fresh page draws, the next tick settles
+    cursor = asyncio.run(_settled(wired, "idle"))
     reads = Reads(backend, monkeypatch)
     _, answers = asyncio.run(asyncio.wait_for(_page(wired, "idle", IDLE_S, cursor), IDLE_S + 30))
     assert reads.count <= 1, f"{reads.count} reads of the engine in {IDLE_S:.0f} s of an idle page"
@@ -110,7 +121,7 @@ def test_a_run_by_another_visitor_is_drawn_within_about_a_second(wired):
     backend = wired.ctx.engines.ensure(wired.ctx.engines.default)
 
     async def scenario() -> float:
-        cursor, _ = await _page(wired, "watcher", 2.5)  # settled
+        cursor = await _settled(wired, "watcher")
         waiting = asyncio.create_task(wired.call(cursor, "watcher"))
         await asyncio.sleep(1.0)
         assert not waiting.done(), "control: nothing changed, so the tick waits"

@@ -6,13 +6,14 @@ out. While the visitor's own run streams, the badges fill in here too (TTFT as s
 An open page with nothing changing costs the app almost nothing (a class keeps thirty open on a Space's 2 vCPUs):
 
 - A tick whose tab has drawn everything (its cursor settled, no badges of a run showing) and whose engine has not
-  stepped since (``Backend.steps``, read without the engine's lock) waits, on the event loop, for a change
-  (checked every ``CHECK_EVERY_S``) or for ``IDLE_WAIT_S``, then answers; the timer's next tick is not sent while
-  one is pending (``trigger_mode="once"``). So an idle page costs one Gradio event every ``IDLE_WAIT_S`` instead of
-  one a second, and a change (a run by anyone on the engine, a vLLM server's activity, the visitor's own Run, Live
-  or another engine) is drawn within ``CHECK_EVERY_S`` plus a draw, as before.
-- A tab the browser hides stops its timer (the Page Visibility API: the page clicks ``cache.visibility`` when it
-  changes), and starts it again when shown, if the visitor left live charts on.
+  stepped since (``Backend.steps``, read without the engine's lock) waits for a change (looked for every
+  ``CHECK_EVERY_S``, on a worker thread: finding the engine may retire an idle one) or for ``IDLE_WAIT_S``, then
+  answers; the timer's next tick is not sent while one is pending (``trigger_mode="once"``). So an idle page costs
+  one request every ``IDLE_WAIT_S`` instead of one a second, and a change (a run by anyone on the engine, a vLLM
+  server's activity, the visitor's own Run, Live or another engine) is drawn within ``CHECK_EVERY_S`` plus a draw,
+  as before. What no step shows (another visitor arriving, a server going away) waits for the next answer.
+- A hidden tab sends no tick at all: Gradio 6.31's Timer dispatches a tick only while
+  ``document.visibilityState`` is "visible" (the Page Visibility API), so the timer needs no hook of ours.
 """
 
 from __future__ import annotations
@@ -39,17 +40,7 @@ OCCUPANCY_STREAMING_S = 4.0  # while the visitor's own text streams, the occupan
 # of a core, and a 0.25 s look (a few dict reads, no lock a step holds) costs 30 pages well under 0.1% together.
 IDLE_WAIT_S = 20.0
 CHECK_EVERY_S = 0.25
-DRAWS_AT_ONCE = 8  # ticks building views at once (the waiting ones hold no thread)
-# The page's part: a tab hidden or shown again clicks the (never shown) visibility button, whose click passes
-# "live charts on, and the tab shown" to the server, which turns the timer on or off.
-WATCH_VISIBILITY_JS = """
-() => {
-  const changed = () => document.getElementById('live_visibility')?.click();
-  document.addEventListener('visibilitychange', changed);
-  if (document.visibilityState === 'hidden') changed();
-}
-"""
-LIVE_AND_SHOWN_JS = "(on) => on && document.visibilityState !== 'hidden'"
+THREADS_AT_ONCE = 8  # ticks looking or drawing at once (a waiting one holds no thread between its looks)
 
 
 @dataclass(frozen=True)
@@ -89,23 +80,24 @@ def _engine_key(profile: Profile, backend: Backend | None) -> str:
 class LiveCallbacks:
     def __init__(self, ctx: Context, runs: RunCallbacks):
         self.ctx, self.ui, self.runs = ctx, ctx.ui, runs
-        self._draws = anyio.CapacityLimiter(DRAWS_AT_ONCE)
+        self._threads = anyio.CapacityLimiter(THREADS_AT_ONCE)
 
     async def watch(self, cursor: LiveCursor | None, request: gr.Request) -> Update:
         """The timer's tick: ``refresh`` as soon as this tab has something to draw, or nothing after
-        ``IDLE_WAIT_S`` (the module's docstring). Waits on the event loop, so waiting tabs hold no thread."""
+        ``IDLE_WAIT_S`` (the module's docstring). Sleeps on the event loop between looks: a waiting tab holds no
+        thread."""
         session = session_of(request)
         deadline = time.monotonic() + IDLE_WAIT_S
-        while self.idle(cursor, session):
+        while await anyio.to_thread.run_sync(self.idle, cursor, session, limiter=self._threads):
             if time.monotonic() >= deadline:
                 return {self.ui.cache.cursor: cursor}  # nothing new (Gradio takes an empty dict for one value)
             await asyncio.sleep(CHECK_EVERY_S)
-        return await anyio.to_thread.run_sync(self.refresh, cursor, request, limiter=self._draws)
+        return await anyio.to_thread.run_sync(self.refresh, cursor, request, limiter=self._threads)
 
     def idle(self, cursor: LiveCursor | None, session: str) -> bool:
         """True while a tick would draw nothing: the tab's last tick found nothing moving and drew it all (settled),
         shows no badges of a run, and since then the visitor has not started a run, gone back live or replaying,
-        nor moved to another engine, and the engine has not stepped. Reads only what needs no engine lock."""
+        nor moved to another engine, and the engine has not stepped. Takes no lock a step holds."""
         if cursor is None or not cursor.settled or cursor.badges:
             return False
         visitor = self.ctx.visitors.peek(session)
@@ -259,23 +251,20 @@ class LiveCallbacks:
         cache = self.ui.cache
         outputs = [cache.page_map, cache.occupancy, cache.lru, cache.hit_rate, cache.prefix_tree, cache.stats]
         outputs += [cache.cursor, *self.ui.panels.badges]
-        for trigger in (cache.live_charts.change, cache.visibility.click):  # on while charts are on and tab shown
-            trigger(
-                lambda on: gr.Timer(active=bool(on)),
-                cache.live_charts,
-                cache.timer,
-                js=LIVE_AND_SHOWN_JS,
-                queue=False,
-                api_visibility="private",
-                **QUIET,
-            )
+        cache.live_charts.change(
+            lambda on: gr.Timer(active=bool(on)),
+            cache.live_charts,
+            cache.timer,
+            queue=False,
+            api_visibility="private",
+            **QUIET,
+        )
         # Not queued: Gradio's queue holds one of its 40 job slots (``max_threads``) per event being processed, so
         # thirty waiting ticks would leave the visitors' runs ten. A plain request waits holding no slot and no
-        # thread, and costs less than a queued event (no status messages); DRAWS_AT_ONCE bounds the drawing ones.
+        # thread, and costs less than a queued event (no status messages); THREADS_AT_ONCE bounds its threads.
         cache.timer.tick(self.watch, cache.cursor, outputs, api_visibility="private", queue=False, **QUIET)
         # /refresh answers at once (clients and tests read the view through it; it never waits for a change)
         demo.load(self.refresh, cache.cursor, outputs, api_name="refresh", api_visibility="undocumented", **QUIET)
-        demo.load(None, js=WATCH_VISIBILITY_JS)
 
 
 def _replica_states(backend: Backend) -> list[fleet.ReplicaState]:

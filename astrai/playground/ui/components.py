@@ -66,7 +66,6 @@ class CacheViews:
     live_charts: gr.Checkbox
     cursor: gr.State  # the live view's ``LiveCursor``
     timer: gr.Timer
-    visibility: gr.Button  # in the page, never shown: clicked by the page when its tab is hidden or shown again
 
 
 @dataclass(frozen=True)

@@ -166,7 +166,6 @@ def build_layout(default: Profile, model_choices: list[str], chooses_pools: bool
             live_charts=live_charts,
             cursor=gr.State(None),
             timer=gr.Timer(REFRESH_SECONDS),
-            visibility=gr.Button("live view: tab shown or hidden", visible="hidden", elem_id="live_visibility"),
         ),
         replay=replay,
         setup=Setup(scenario, note, lesson_prev, lesson_next, gr.State(0), engine),
