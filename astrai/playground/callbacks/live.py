@@ -36,8 +36,8 @@ from astrai.playground.views import charts, fleet, pages, series, text, tree
 MAX_GHOSTS = 64  # evicted pages kept for the tree's next drawing
 OCCUPANCY_STREAMING_S = 4.0  # while the visitor's own text streams, the occupancy chart is redrawn this seldom
 # An idle page: its tick waits up to IDLE_WAIT_S for a change, looking every CHECK_EVERY_S (a few reads, no lock a
-# step holds). tools/idle_cost.py, 30 idle pages on the Intel Xeon (docs/benchmarks.md): polled each second, 0.35%
-# of a core per page; waiting, 0.03%.
+# step holds). tools/idle_cost.py, 30 idle pages on the Intel Xeon (docs/benchmarks.md): polled each second,
+# 0.35-0.57% of a core per page; waiting, 0.03-0.08%.
 IDLE_WAIT_S = 20.0
 CHECK_EVERY_S = 0.25
 THREADS_AT_ONCE = 8  # ticks looking or drawing at once (a waiting one holds no thread between its looks)
