@@ -17,6 +17,7 @@ from tests.support.needs import NO_CHROMIUM
 from tests.support.waiting import wait_until
 from tools import loadtest
 from tools.browser import CHROMIUM, open_playground, open_visitors
+from tools.idle_cost import visibility_js
 from tools.loadtest import launch_app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -431,3 +432,22 @@ def test_browser_two_visitors_one_scenario_each_neither_disturbs_the_other(serve
         assert "2048 pages × 16 tokens, batch 128" in stats_text(a), "A's engine is the one A started on"
         assert re.search(r"\b0 evictions", stats_text(a)), stats_text(a)
         assert all(a.locator(f"#out_{i} textarea").input_value() for i in range(4))
+
+
+@pytest.mark.browser
+def test_browser_a_hidden_tab_sends_no_ticks_and_starts_again_when_shown(page, client):
+    """A tab the browser hides sends no tick (Gradio 6.31's Timer ticks only while ``document.visibilityState`` is
+    "visible": the live view relies on it, ``callbacks/live.py``): while another visitor's run changes the page's
+    engine, which wakes a waiting tick, a hidden tab asks for nothing more; shown again, it ticks within seconds."""
+    page.wait_for_function("document.querySelector('#stats').innerText.length > 0", timeout=30000)
+    page.wait_for_timeout(3000)  # the first drawing done, the next tick settled
+    page.evaluate(visibility_js(hidden=True))
+    page.wait_for_timeout(1000)  # the timer is off once the page has the visibility click's answer
+    ticks: list[str] = []
+    page.on("request", lambda r: ticks.append(r.url) if re.search("queue/join|run/predict", r.url) else None)
+    client.predict(**run_args(PANELS, 16), api_name="/run")  # on the default engine, the page's
+    page.wait_for_timeout(4000)  # (the page hears its requests only inside a Playwright call)
+    assert ticks == [], f"a hidden tab sent {len(ticks)} ticks"
+    page.evaluate(visibility_js(hidden=False))
+    page.wait_for_timeout(3000)
+    assert ticks, "shown again, the tab ticks again"

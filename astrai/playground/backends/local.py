@@ -69,6 +69,10 @@ class LocalBackend:
         """The engine, where this backend serves one (not a tenant of one): the host of visitors' own pools."""
         return self._engine if isinstance(self._engine, InferenceEngine) else None
 
+    @property
+    def steps(self) -> int:
+        return self._engine.steps  # an int the loop alone writes: read without the engine's lock
+
     def shutdown(self) -> None:
         """Stop the engine, or close the tenant (its pages go back to its engine's reserve)."""
         if isinstance(self._engine, InferenceEngine):

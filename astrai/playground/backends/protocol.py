@@ -149,6 +149,14 @@ class Backend(Protocol):
         ...
 
     @property
+    def steps(self) -> int:
+        """``stats().steps``, read without waiting for a step in progress: every change the views show comes with a
+        step (an engine records a cancel or a clear as a step of its own; a vLLM sampler counts a sample in which
+        anything moved), so a live view that drew this number has nothing new to draw while it stays. Cheap enough
+        for every idle open page to read a few times a second (``callbacks/live.py``)."""
+        ...
+
+    @property
     def replicas(self) -> tuple[ReplicaView, ...]:
         """A fleet's replicas, each observed on its own; () for one cache (the backend's own observation)."""
         ...

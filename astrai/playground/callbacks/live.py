@@ -2,17 +2,32 @@
 
 A poll never counts as activity (``Visitors.peek``): hundreds of open tabs cannot push an active visitor's state
 out. While the visitor's own run streams, the badges fill in here too (TTFT as soon as it is known).
+
+An open page with nothing changing costs the app almost nothing (a class keeps thirty open on a Space's 2 vCPUs):
+
+- A tick whose tab has drawn everything (its cursor settled, no badges of a run showing) and whose engine has not
+  stepped since (``Backend.steps``, read without the engine's lock) waits for a change (looked for every
+  ``CHECK_EVERY_S``, on a worker thread: finding the engine may retire an idle one) or for ``IDLE_WAIT_S``, then
+  answers; the timer's next tick is not sent while one is pending (``trigger_mode="once"``). So an idle page costs
+  one request every ``IDLE_WAIT_S`` instead of one a second, and a change (a run by anyone on the engine, a vLLM
+  server's activity, the visitor's own Run, Live or another engine) is drawn within ``CHECK_EVERY_S`` plus a draw,
+  as before. What no step shows (another visitor arriving, a server going away) waits for the next answer.
+- A hidden tab sends no tick at all: Gradio 6.31's Timer dispatches a tick only while
+  ``document.visibilityState`` is "visible" (the Page Visibility API), so the timer needs no hook of ours.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+import anyio
 import gradio as gr
 
 from astrai.observation import CacheStats, PageEvicted, PageRecord
+from astrai.playground.backends.profiles import Profile
 from astrai.playground.backends.protocol import Backend, BackendError
 from astrai.playground.callbacks.context import QUIET, Context, Update, panel_label, session_of
 from astrai.playground.callbacks.run import RunCallbacks
@@ -20,16 +35,23 @@ from astrai.playground.views import charts, fleet, pages, series, text, tree
 
 MAX_GHOSTS = 64  # evicted pages kept for the tree's next drawing
 OCCUPANCY_STREAMING_S = 4.0  # while the visitor's own text streams, the occupancy chart is redrawn this seldom
+# An idle page: its tick waits up to IDLE_WAIT_S for a change, looking every CHECK_EVERY_S (a few reads, no lock a
+# step holds). tools/idle_cost.py, 30 idle pages on the Intel Xeon (docs/benchmarks.md): polled each second,
+# 0.35-0.57% of a core per page; waiting, 0.03-0.08%.
+IDLE_WAIT_S = 20.0
+CHECK_EVERY_S = 0.25
+THREADS_AT_ONCE = 8  # ticks looking or drawing at once (a waiting one holds no thread between its looks)
 
 
 @dataclass(frozen=True)
 class LiveCursor:
     """Where one tab's live view is: which engine it draws, the last event and step it saw, and what it drew."""
 
-    engine: str = ""  # the profile key (and backend generation) drawn: another one redraws everything
+    engine: str = ""  # ``_engine_key`` drawn: another one redraws everything
     seq: int = 0
     steps: int = -1
     settled: bool = False  # nothing moved at the last tick
+    following: bool = True  # the visitor was live (not replaying) at the last tick: back live, everything is redrawn
     tick: int = 0
     evicted: tuple[PageEvicted, ...] = ()  # pages evicted since the tree was last drawn: its ghosts
     occupancy_at: float = 0.0
@@ -50,9 +72,41 @@ def _readable(backend: Backend) -> text.Decode:
     return text.readable(backend.decode, backend.special_ids())
 
 
+def _engine_key(profile: Profile, backend: Backend | None) -> str:
+    """Which cache a cursor drew: the profile and its backend's generation (or none running)."""
+    return f"{profile.key}#{backend.generation if backend is not None else 'stopped'}"
+
+
 class LiveCallbacks:
     def __init__(self, ctx: Context, runs: RunCallbacks):
         self.ctx, self.ui, self.runs = ctx, ctx.ui, runs
+        self._threads = anyio.CapacityLimiter(THREADS_AT_ONCE)
+
+    async def watch(self, cursor: LiveCursor | None, request: gr.Request) -> Update:
+        """The timer's tick: ``refresh`` as soon as this tab has something to draw, or nothing after
+        ``IDLE_WAIT_S`` (the module's docstring). Sleeps on the event loop between looks: a waiting tab holds no
+        thread."""
+        session = session_of(request)
+        deadline = time.monotonic() + IDLE_WAIT_S
+        while await anyio.to_thread.run_sync(self.idle, cursor, session, limiter=self._threads):
+            if time.monotonic() >= deadline:
+                return {self.ui.cache.cursor: cursor}  # nothing new (Gradio takes an empty dict for one value)
+            await asyncio.sleep(CHECK_EVERY_S)
+        return await anyio.to_thread.run_sync(self.refresh, cursor, request, limiter=self._threads)
+
+    def idle(self, cursor: LiveCursor | None, session: str) -> bool:
+        """True while a tick would draw nothing: the tab's last tick found nothing moving and drew it all (settled),
+        shows no badges of a run, and since then the visitor has not started a run, gone back live or replaying,
+        nor moved to another engine, and the engine has not stepped. Takes no lock a step holds."""
+        if cursor is None or not cursor.settled or cursor.badges:
+            return False
+        visitor = self.ctx.visitors.peek(session)
+        if visitor.streaming_since is not None or visitor.following != cursor.following:
+            return False
+        backend = self.ctx.engines.backend(visitor.profile)
+        if cursor.engine != _engine_key(visitor.profile, backend):
+            return False
+        return backend is None or backend.steps == cursor.steps
 
     def refresh(self, cursor: LiveCursor | None, request: gr.Request) -> Update:
         ctx, cache = self.ctx, self.ui.cache
@@ -61,11 +115,14 @@ class LiveCallbacks:
         profile = visitor.profile
         view = ctx.engines.view(profile, ctx.visitors.on(profile))
         backend = ctx.engines.backend(profile)
-        if backend is None:
+        engine = _engine_key(profile, backend)
+        if backend is None:  # settled on "stopped": the next tick waits for the engine to start again
             line = text.engine_line(view, profile.model)
-            return {cache.stats: f"{line}  \nIts engine is not running now (retired while idle): Run starts it again."}
+            return {
+                cache.stats: f"{line}  \nIts engine is not running now (retired while idle): Run starts it again.",
+                cache.cursor: LiveCursor(engine=engine, settled=True, following=visitor.following),
+            }
         previous = cursor or LiveCursor()
-        engine = f"{profile.key}#{backend.generation}"
         fresh = previous.engine != engine
         try:
             stats = backend.stats()
@@ -80,6 +137,7 @@ class LiveCallbacks:
             seq=events[-1].seq if events else (0 if fresh else previous.seq),
             steps=stats.steps,
             settled=quiet,
+            following=visitor.following,
             tick=previous.tick + 1,
             evicted=((() if fresh else previous.evicted) + tuple(evicted))[-MAX_GHOSTS:],
         )
@@ -95,15 +153,17 @@ class LiveCallbacks:
                 update |= badges
             now = replace(now, badges=shown if visitor.streaming_since is not None else ())
         update[cache.cursor] = now
-        if not visitor.following:  # replaying: no redraw, and the first tick back live draws everything (this
-            # tick's cursor can land after the one the Live button reset: "settled", it kept the replay on screen)
-            return update | {cache.cursor: replace(now, settled=False)}
-        if quiet and previous.settled:  # nothing moved: no redraw
+        if not visitor.following:  # replaying: no redraw
+            return update
+        back = not previous.following  # the first tick back live draws everything (this tick's cursor can land
+        # after the one the Live button reset: its "following" is what keeps the replay from staying on screen)
+        if quiet and previous.settled and not back:  # nothing moved: no redraw
             return update
         look = Look(session, set(visitor.shown.request_ids) if visitor.shown else None, _readable(backend))
+        everything = fresh or quiet or back
         if states:
-            return update | self._draw_fleet(backend, states, look, visitor.streaming_since, fresh or quiet, now)
-        return update | self._draw(backend, look, visitor.streaming_since, fresh or quiet, evicted, now, stats)
+            return update | self._draw_fleet(backend, states, look, visitor.streaming_since, everything, now)
+        return update | self._draw(backend, look, visitor.streaming_since, everything, evicted, now, stats)
 
     def _draw(
         self,
@@ -199,10 +259,12 @@ class LiveCallbacks:
             api_visibility="private",
             **QUIET,
         )
-        cache.timer.tick(
-            self.refresh, cache.cursor, outputs, api_visibility="undocumented", concurrency_limit=8, **QUIET
-        )
-        demo.load(self.refresh, cache.cursor, outputs, api_visibility="private", **QUIET)
+        # Not queued: Gradio's queue holds one of its 40 job slots (``max_threads``) per event being processed, so
+        # thirty waiting ticks would leave the visitors' runs ten. A plain request waits holding no slot and no
+        # thread, and costs less than a queued event (no status messages); THREADS_AT_ONCE bounds its threads.
+        cache.timer.tick(self.watch, cache.cursor, outputs, api_visibility="private", queue=False, **QUIET)
+        # /refresh answers at once (clients and tests read the view through it; it never waits for a change)
+        demo.load(self.refresh, cache.cursor, outputs, api_name="refresh", api_visibility="undocumented", **QUIET)
 
 
 def _replica_states(backend: Backend) -> list[fleet.ReplicaState]:

@@ -184,6 +184,10 @@ class VllmBackend:
         return self._observed.generation
 
     @property
+    def steps(self) -> int:
+        return self._observed.steps
+
+    @property
     def unreachable(self) -> str | None:
         """Why the server cannot be reached right now (None when it answers; for a fleet, when any answers)."""
         return self._observed.unreachable

@@ -133,6 +133,11 @@ class Replicas:
         return sum(r.generation for r in self.all) - len(self.all) + 1
 
     @property
+    def steps(self) -> int:
+        """The newest step of any replica (as ``merge_stats`` counts them)."""
+        return max(r.steps for r in self.all)
+
+    @property
     def unreachable(self) -> str | None:
         """Why no replica can be reached now; None while one answers."""
         reasons = [r.unreachable for r in self.all]

@@ -82,6 +82,10 @@ class Replica:
         return self.sampler.generation
 
     @property
+    def steps(self) -> int:
+        return self.sampler.steps
+
+    @property
     def unreachable(self) -> str | None:
         return self.sampler.unreachable
 

@@ -130,6 +130,11 @@ class Sampler:
             return self._generation
 
     @property
+    def steps(self) -> int:
+        with self._lock:
+            return self._step
+
+    @property
     def unreachable(self) -> str | None:
         with self._lock:
             return self._unreachable
