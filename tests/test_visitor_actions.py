@@ -679,8 +679,10 @@ class VisitorActions(RuleBasedStateMachine):
         assert all(runs > 0 and session in streaming for (_, session), runs in visitors._runs.items())
         assert self.pg.ctx.runs._active <= len(self.streams)
         engines = self.pg.ctx.engines
-        built = engines.built()
+        built = [p for p in engines.built() if p.owner is None]  # engines; visitors' own pools are in the reserve
         assert len(built) <= MAX_ENGINES and sum(p.custom for p in built) <= MAX_CUSTOM, built
+        own = [p for p in engines.built() if p.owner is not None]
+        assert sum(p.settings.n_pages for p in own) <= engines._tenant_pages, own
 
     def teardown(self):
         """Every tab reads its held run to the end (checked as any run's end), then closes; idle engines retire.
