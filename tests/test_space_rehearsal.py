@@ -17,6 +17,11 @@ from tools.browser import CHROMIUM
 
 REPO = Path(__file__).resolve().parent.parent
 CANNOT_REHEARSE_HERE = 3
+# The page must answer within this many seconds of the process start. The target is 15 s on an otherwise idle
+# 2-core machine (`python -m benchmarks.cold_start --rounds 3` measures it); in the suite, vLLM servers and the tests
+# share the cores, so the bound here is a guard against a start that waits for the compile again (that took over
+# 30 s on every machine measured), not the target itself.
+START_LIMIT_S = 30
 
 
 def _reaches_pypi() -> bool:
@@ -37,7 +42,7 @@ def test_a_space_built_from_this_commit_builds_starts_fast_and_serves_the_lesson
         pytest.skip(NO_PYPI)
     done = subprocess.run(
         ["bash", str(REPO / "scripts" / "space_rehearsal.sh"), str(REPO)],
-        env=os.environ | {"CHECK_PYTHON": sys.executable},
+        env=os.environ | {"CHECK_PYTHON": sys.executable, "START_LIMIT_S": str(START_LIMIT_S)},
         capture_output=True,
         text=True,
         timeout=1400,
