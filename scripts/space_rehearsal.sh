@@ -69,9 +69,11 @@ EOF
 # not one); where there is none, or this is not root, the app runs as this user, and the line says so.
 AS_USER=()
 PYTHON=""
-for candidate in "$(command -v "python$FM_PYTHON_VERSION" || true)" "/usr/bin/python$FM_PYTHON_VERSION" \
-  "/usr/local/bin/python$FM_PYTHON_VERSION"; do
+# A venv's python links to its base interpreter, which the new venv links to in turn: judge the resolved binary.
+for candidate in "/usr/local/bin/python$FM_PYTHON_VERSION" "/usr/bin/python$FM_PYTHON_VERSION" \
+  "$(command -v "python$FM_PYTHON_VERSION" || true)"; do
   [ -x "$candidate" ] || continue
+  candidate=$(readlink -f "$candidate")
   if [ "$(id -u)" -ne 0 ]; then PYTHON=$candidate; break; fi
   if setpriv --reuid=1000 --regid=1000 --clear-groups "$candidate" -c "import venv" 2>/dev/null; then
     PYTHON=$candidate
@@ -108,6 +110,9 @@ STEP="pip"
 for variable in $(env | grep -o '^PIP_[A-Z_]*' || true); do unset "$variable"; done
 export PIP_CONFIG_FILE=/dev/null PIP_DISABLE_PIP_VERSION_CHECK=1
 "$PYTHON" -m venv "$WORK/venv"
+if [ "${#AS_USER[@]}" -gt 0 ] && ! "${AS_USER[@]}" "$WORK/venv/bin/python" -c pass 2>/dev/null; then
+  cannot "user 1000 cannot run the venv's python (made from $PYTHON)"
+fi
 PIP=("$WORK/venv/bin/python" -m pip)
 if [ -f pre-requirements.txt ]; then
   grep -q "$TORCH_INDEX" pre-requirements.txt || fail "pre-requirements.txt does not name PyTorch's CPU index"
