@@ -100,3 +100,16 @@ def test_a_visitor_who_chooses_the_shared_pool_shares_it_and_past_the_reserve_is
         assert "shared with 1 other visitor" in line, line
         pg.setup.share_pools(False, request("first"), no_progress)
         assert pg.ctx.visitors.peek("first").profile.owner is not None, "back to their own pool"
+
+
+def test_a_step_on_ones_own_pool_starts_from_an_empty_cache_each_visit():
+    """Step 8 promises what a first visit shows; back on the step, the last visit's pages would read "another
+    namespace" (stored under its fresh salt) unless the visitor's own pool starts empty again."""
+    with playground() as pg:
+        pg.setup.lesson(STEP_3, 0, request("ann"), no_progress)
+        run_at_once(pg, ["ann"])
+        own = pg.ctx.engines.backend(pg.ctx.visitors.peek("ann").profile)
+        assert own is not None and own.stats().cached_pages > 0
+        pg.setup.lesson(STEP_3, 0, request("ann"), no_progress)  # the class goes over the step again
+        assert pg.ctx.engines.backend(pg.ctx.visitors.peek("ann").profile) is own, "the same pool of ann's own"
+        assert own.stats().cached_pages == 0

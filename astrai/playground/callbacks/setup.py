@@ -62,7 +62,18 @@ class SetupCallbacks:
         prompts = scenario.prompts + [""] * (MAX_PANELS - len(scenario.prompts))
         update |= dict(zip(ui.panels.prompts, prompts, strict=True))
         update |= dict.fromkeys(ui.panels.outputs, "")
-        return update | self._move(session_of(request), scenario.profile, progress)
+        session = session_of(request)
+        update |= self._move(session, scenario.profile, progress)
+        self._start_clean(session)
+        return update
+
+    def _start_clean(self, session: str) -> None:
+        """A step on the visitor's own pool starts from an empty prefix cache: its text promises what a first visit
+        shows (step 8's panel 1 is "new"), and on a second visit the pages the last one stored, under its fresh salt,
+        would read "another namespace" instead. Only this visitor's pages are there, so no one else loses any."""
+        profile = self.ctx.visitors.act(session).profile
+        if profile.owner is not None:
+            self.ctx.engines.ensure(profile).clear()
 
     def lesson(
         self,
