@@ -13,17 +13,11 @@ from astrai.engine import PageRanges, Tenant
 from astrai.observation import PageStored, RequestAdmitted
 from astrai.playground.views.replay import Recording, pages_at
 from tests.support.tiny_models import make_model, make_tokenizer, reference_generate
+from tests.test_equivalence import NEW_TOKENS, PAGE
+from tests.test_equivalence import PROMPTS as EQUIVALENCE_PROMPTS
 
-PAGE = 4
-NEW_TOKENS = 16
-PROMPTS = [
-    "Once upon a time there was a little cat.",
-    "Once upon a time there was a little cat. The cat sat on the mat and looked at the sun.",
-    "Lily and Tom went to the park.",
-    "Lily and Tom went to the park. They played with a big red ball all day long. The dog was happy.",
-    "The dog",
-    "Once upon a time there was a little dog. It ran to the tree and barked at a bird.",
-]
+# the equivalence tests' prompts in their order, the ASCII ones (their tokens size these tests' pools)
+PROMPTS = [p for p in EQUIVALENCE_PROMPTS if p.isascii()]
 
 
 @pytest.fixture(scope="module")
