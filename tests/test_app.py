@@ -16,7 +16,7 @@ from astrai.playground.backends.profiles import EMBEDDED_LABEL, EMBEDDED_MODEL
 from tests.support.needs import NO_CHROMIUM
 from tests.support.waiting import wait_until
 from tools import loadtest
-from tools.browser import CHROMIUM, open_playground, open_visitors
+from tools.browser import CHROMIUM, open_playground, open_visitors, run_and_wait
 from tools.idle_cost import visibility_js
 from tools.loadtest import launch_app
 
@@ -153,7 +153,7 @@ def test_browser_a_run_clears_the_last_runs_badges_then_fills_in_its_own(page):
     page.locator("#max_tokens input[type=number]").fill("256")
     page.locator("#max_tokens input[type=number]").press("Enter")
     ttft = "/TTFT/.test(document.querySelector('#badge_0').innerText)"
-    page.click("#run_btn")
+    run_and_wait(page, 1)  # ended: a click while it streams would start no run (Gradio's trigger_mode "once")
     page.wait_for_function(ttft, timeout=60000)
     page.click("#run_btn")
     page.wait_for_function(f"!{ttft}", timeout=10000)  # not the last run's figures while this one streams
@@ -418,10 +418,7 @@ def test_browser_two_visitors_one_scenario_each_neither_disturbs_the_other(serve
         b.get_by_role("option", name="Eviction pressure (small pool)").click()
         b.wait_for_function("/40 pages × 16 tokens/.test(document.querySelector('#stats').innerText)", timeout=60000)
         for _ in range(2):  # the second run finds the LRU full of the first one's pages
-            b.click("#run_btn")
-            b.wait_for_function(
-                "(document.querySelector('#requests').innerText.match(/finished/g) || []).length >= 6", timeout=120000
-            )
+            run_and_wait(b, 6, timeout_ms=120000)
         b.wait_for_function("/[1-9]\\d* evictions/.test(document.querySelector('#stats').innerText)", timeout=30000)
         assert "small pool" in stats_text(b)
         a.wait_for_function(

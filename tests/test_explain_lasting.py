@@ -183,7 +183,7 @@ def test_an_explanation_read_while_its_step_runs_says_in_progress(model, tokeniz
 def test_an_eviction_after_a_vllm_request_ended_never_rewrites_its_explanation():
     """Defect: on a server (no admissions: the request is judged as of when it was sent), a page held then but not
     served (a salt mismatch) read "unknown (conflict)", and then "evicted at step 900" once a later request evicted
-    it, an hour after this one ended."""
+    it, an hour after this one ended. It reads "another namespace" (to whoever stored it), then and later."""
     prompt = tuple(range(10, 19))  # two full pages of 4, and the last token
     events: list[EngineEvent] = []
 
@@ -208,13 +208,21 @@ def test_an_eviction_after_a_vllm_request_ended_never_rewrites_its_explanation()
     history.feed(events)
     infos = [info(2, prompt, 0)]
 
-    def why():
-        (x,) = checked(explain(history, infos, page_size=4, looked_up_after={2: sent}, ended_after={2: ended}), infos)
+    def why(viewer_owns=None):
+        (x,) = checked(
+            explain(
+                history, infos, page_size=4, looked_up_after={2: sent}, ended_after={2: ended}, viewer_owns=viewer_owns
+            ),
+            infos,
+        )
         return x
 
     then = why()
-    assert causes(then) == [(0, 4, Cause.UNKNOWN), (4, 8, Cause.UNKNOWN), (8, 9, Cause.LAST_TOKEN)]
-    assert then.segments[0].unknown is Unknown.CONFLICT and then.segments[1].stranded_behind == 0
+    # the server sent no salts: a page held then and not served was under another one (request 1's, here)
+    assert causes(then) == [(0, 4, Cause.OTHER_NAMESPACE), (4, 8, Cause.OTHER_NAMESPACE), (8, 9, Cause.LAST_TOKEN)]
+    assert then.segments[0].page is not None and then.segments[0].page.request == 1
+    assert then.segments[1].stranded_behind == 0
+    assert causes(why(viewer_owns=lambda r: r == 2))[0] == (0, 4, Cause.NEW), "another's salt is never told"
     later: list[EngineEvent] = [*events]
     for i, (key, parent) in enumerate(alice):  # an hour later, request 3 evicts alice's pages
         stamp(later, PageEvicted, 900, page=i, key=key, parent_key=parent, token_ids=prompt[4 * i : 4 * i + 4],

@@ -57,3 +57,17 @@ def open_playground(url: str, timeout_ms: int = 60000, viewport: tuple[int, int]
     """A page showing the playground at ``url``, ready to click (the Run button is visible)."""
     with open_visitors(url, 1, timeout_ms, viewport) as (page,):
         yield page
+
+
+FINISHED_ROWS = "(document.querySelector('#requests').innerText.match(/finished/g) || []).length"
+
+
+def run_and_wait(page: Any, panels: int, timeout_ms: int = 60000) -> None:
+    """Click Run and wait until this run's ``panels`` rows of the request table say finished.
+
+    A click empties the table before the run fills it again; until the emptying arrives, the last run's finished
+    rows are still on the page, and a wait for them alone would return at once, while this run still streams. So the
+    table is first seen with fewer finished rows, then with all of them."""
+    page.click("#run_btn")
+    page.wait_for_function(f"{FINISHED_ROWS} < {panels}", timeout=timeout_ms)
+    page.wait_for_function(f"{FINISHED_ROWS} >= {panels}", timeout=timeout_ms)

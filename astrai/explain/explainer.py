@@ -25,7 +25,9 @@ then each child of the previous key with the next page's tokens (a key is a hash
   cause, ``stranded_behind`` it (a page serves only after every page before it). The first missed page itself held
   at the lookup cannot be, by the engine's rules: ``UNKNOWN`` (events lost, or a conflict), except that against a
   caller's estimate of the moment (``looked_up_after``) a stay that ended after it, and no later than the request
-  ended (``ended_after``), reads as evicted: an eviction after the request ran never rewrites its explanation.
+  ended (``ended_after``), reads as evicted: an eviction after the request ran never rewrites its explanation; and
+  where either namespace is unknown (a server sends no salts), it was held under another salt: ``OTHER_NAMESPACE``
+  to the viewer who stored it, ``NEW`` to anyone else.
 * ``EVICTED`` / ``CLEARED``: the key's last stay before the lookup ended so (for whom, and first of how many);
   ``UNKNOWN`` (events lost) where no event ended it (the history's ``max_live`` bound did).
 * ``OTHER_REPLICA``: another replica held the whole chain to this page at the lookup (replicas share one ``seq``
@@ -235,8 +237,11 @@ class _Prompt:
             end, until = held[1].end_seq, self.lookup.ended
             if self.lookup.step is None and end is not None and (until is None or end <= until):
                 return self._ended(*held)
-            lost = self.history.incomplete_before(at) is Unknown.EVENTS_LOST
-            return _Fact(Cause.UNKNOWN, unknown=Unknown.EVENTS_LOST if lost else Unknown.CONFLICT)
+            if self.history.incomplete_before(at) is Unknown.EVENTS_LOST:
+                return _Fact(Cause.UNKNOWN, unknown=Unknown.EVENTS_LOST)
+            if None in (held[0].namespace, self.lookup.namespace):  # a server's salt: never sent, so never compared
+                return self._other_namespace(*held)
+            return _Fact(Cause.UNKNOWN, unknown=Unknown.CONFLICT)
         ended = [(rec, life) for rec in self._own(i) if (life := rec.ended_before(at)) is not None]
         if ended:
             return self._ended(*max(ended, key=lambda held: held[1].end_seq or 0))
@@ -251,6 +256,16 @@ class _Prompt:
         if self._forgotten(i, at):
             reason = reason or Unknown.FORGOTTEN
         return _Fact(Cause.UNKNOWN, unknown=reason) if reason else _NEW
+
+    def _other_namespace(self, record: KeyRecord, life: Life) -> _Fact:
+        """A page held at the lookup, not served, where namespaces are not known (a server sends no salts): the
+        one reading the server's rules allow is a salt other than the request's, so it is told as another namespace
+        to a viewer who stored it, and as new to anyone else (privacy, as for a known namespace)."""
+        return (
+            _Fact(Cause.OTHER_NAMESPACE, page=self._life(record, life, with_end=False))
+            if self.owns(life.request)
+            else _NEW
+        )
 
     def _forgotten(self, i: int, at: int) -> bool:
         """Whether the bound dropped what would tell: page ``i``'s stay before the lookup, or the key of a page of

@@ -50,8 +50,9 @@ SCENARIOS = [
     Scenario(
         name="Shared system prompt",
         explanation="All panels start with the same prefix. Each run starts from a cold cache of its own, so its "
-        "full pages are computed once, by the first panel, and the others hit them in the same run: watch the hit "
-        "badges and the shared (x-marked) pages in the map.",
+        "full pages are computed once, by the first panel the engine schedules (on a vLLM server, whichever request "
+        "reaches it first), and the others hit them in the same run: watch the hit badges and the shared (x-marked) "
+        "pages in the map.",
         prefix="Once upon a time, in a small village by the sea, there lived a kind old fisherman named Tom. "
         "Every morning he took his little boat out on the water, and every evening he came home with fish "
         "for his friends. ",
