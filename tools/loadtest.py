@@ -71,6 +71,10 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from astrai.playground.scenarios import Scenario
 
 APP = Path(__file__).resolve().parents[1] / "app.py"
 PROMPTS = [
@@ -208,6 +212,16 @@ def run_args(panels: list[str], max_tokens: int, prefix: str = PREFIX) -> dict:
         seed=0,
         cache_namespace="shared",
     )
+
+
+def scenario_args(scenario: Scenario, panels: list[str], max_tokens: int | None, prefix: str | None = None) -> dict:
+    """``run_args`` as the page sets them on ``scenario``: its prefix (or ``prefix``), its cache namespace, and its max
+    tokens, capped at ``max_tokens`` (None: its own)."""
+    args = run_args(panels, min(scenario.max_tokens, max_tokens or scenario.max_tokens), scenario.prefix)
+    if prefix is not None:
+        args["shared_prefix"] = prefix
+    args["cache_namespace"] = scenario.namespace  # as the scenario sets it in the page
+    return args
 
 
 @dataclass(frozen=True)
@@ -583,8 +597,7 @@ def run_load(
                     except Exception as exc:  # refused, or no answer: this round's run is not sent
                         record(visit, round_, RunResult("error", None, time.monotonic() - started, str(exc)[:200]))
                         continue
-                    args = run_args(prompts, min(scenario.max_tokens, max_tokens), scenario.prefix)
-                    args["cache_namespace"] = scenario.namespace  # as the scenario sets it in the page
+                    args = scenario_args(scenario, prompts, max_tokens)
                 cancel = rng.random() < cancel_rate
                 result = one_run(client, args, cancel, job_timeout, args["n_panels"])
                 ended = None
@@ -838,7 +851,7 @@ def read_computed(note: str) -> tuple[int, int]:
     return int(found.group(1)), int(found.group(2))
 
 
-class _Student:
+class Student:
     """One student: a session of its own (a browser tab), kept over every step and round."""
 
     def __init__(self, index: int, url: str, tls: ssl.SSLContext, call_timeout: float, job_timeout: float):
@@ -859,6 +872,10 @@ class _Student:
     def stats(self) -> dict:
         return _call(self.client, self.call_timeout, api_name="/cache_stats")
 
+    def leave(self) -> None:
+        """Close the tab: the session's heartbeat stops, as a browser's does (tools/soak_app.py's visitors leave)."""
+        self.client.close()
+
     def press(self, button: str, args: dict, n: int, record: StudentStep) -> tuple[RunResult, tuple]:
         """One press of Run or Compare, streamed to its end, then /after_run as the browser chains it."""
         result = one_run(self.client, args, False, self.job_timeout, n, API_OF[button], first_panel=True)
@@ -875,7 +892,7 @@ class _Student:
 
 
 def _walk_step(
-    students: list[_Student], index: int, round_: int, pool, rng: random.Random, max_tokens: int | None
+    students: list[Student], index: int, round_: int, pool, rng: random.Random, max_tokens: int | None
 ) -> StepRound:
     """Every student through lesson step ``index``: all arrive (the barrier: every arrival has answered), then for
     each button the step says to press, all press it within ``PRESS_SPREAD_S`` (uniformly spread, in a shuffled
@@ -924,8 +941,7 @@ def _walk_step(
         def press(i: int, at: float, button: str = button) -> None:
             if records[i].errors:  # it could not arrive, or its last press failed: it sits this one out
                 return
-            args = run_args(prompts[i], min(scenario.max_tokens, max_tokens or scenario.max_tokens), scenario.prefix)
-            args["cache_namespace"] = scenario.namespace  # as the scenario sets it in the page
+            args = scenario_args(scenario, prompts[i], max_tokens)
             time.sleep(max(at - time.monotonic(), 0.0))
             try:
                 result, after = students[i].press(button, args, len(prompts[i]), records[i])
@@ -987,7 +1003,7 @@ def run_lockstep(
     tls = ssl.create_default_context()  # one TLS context for every request (see run_load)
     rng = random.Random(seed)
     with ThreadPoolExecutor(max_workers=clients) as pool:
-        students = list(pool.map(lambda i: _Student(i, url, tls, call_timeout, job_timeout), range(clients)))
+        students = list(pool.map(lambda i: Student(i, url, tls, call_timeout, job_timeout), range(clients)))
         for round_ in range(rounds):
             for index in steps:
                 report.steps.append(_walk_step(students, index, round_, pool, rng, max_tokens))
