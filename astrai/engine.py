@@ -704,21 +704,35 @@ class InferenceEngine(Tenant):
         max_batch_size: int = 8,
         prefix_caching: bool = True,
         eviction: str = "lru",
+        event_log_size: int | None = None,
         history_size: int | None = None,
+        keep_finished: int | None = None,
+        explain_keys: int | None = None,
     ) -> Tenant:
         """A pool of ``n_pages`` of its own, carved out of the ``tenant_pages`` reserve, served in this engine's
-        forwards; see ``Tenant``. ``history_size`` bounds its step history (the engine's by default). Raises
-        ``TenantReserveFull`` when no free range of the reserve is that large, ``ValueError`` on bad settings."""
+        forwards; see ``Tenant``. The observation bounds (``event_log_size``, ``history_size``, ``keep_finished``,
+        ``explain_keys``) are the engine's unless given: a host of many small pools gives each bounds its size (their
+        records, not their KV, are what a tenant's memory is). Raises ``TenantReserveFull`` when no free range of the
+        reserve is that large, ``ValueError`` on bad settings."""
         for name, value in (("n_pages", n_pages), ("max_batch_size", max_batch_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not isinstance(prefix_caching, bool):
             raise ValueError(f"prefix_caching must be True or False, got {prefix_caching!r}")
-        events, history, keep, keys = self._observation_sizes
-        if history_size is not None:
-            if isinstance(history_size, bool) or not isinstance(history_size, int) or history_size < 1:
-                raise ValueError(f"history_size must be an integer >= 1, got {history_size!r}")
-            history = history_size
+        given = {
+            "event_log_size": event_log_size,
+            "history_size": history_size,
+            "keep_finished": keep_finished,
+            "explain_keys": explain_keys,
+        }
+        sizes = list(self._observation_sizes)
+        for i, (name, size) in enumerate(given.items()):
+            if size is None:
+                continue
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {size!r}")
+            sizes[i] = size
+        events, history, keep, keys = sizes
         with self._lock:
             self._check_engine()
             offset = self._reserve.take(n_pages)

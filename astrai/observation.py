@@ -36,7 +36,7 @@ from typing import Literal
 Forward = Literal["eager", "compiling", "compiled", "failed"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CacheStats:
     """The cache and scheduler counters at one moment."""
 
@@ -70,7 +70,7 @@ class CacheStats:
     forward: Forward | None = None  # which forward serves (``Forward``); None: not reported (a vLLM server has none)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PageRecord:
     """One page as the engine sees it. ``token_ids`` are the KV it holds (empty when free)."""
 
@@ -87,7 +87,7 @@ class PageRecord:
     token_ids: tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CacheSnapshot:
     """Every page, as it was after ``step`` engine steps (taken under the engine lock, so it is consistent)."""
 
@@ -95,7 +95,7 @@ class CacheSnapshot:
     pages: tuple[PageRecord, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class EngineEvent:
     """Base of every event: ``seq`` grows by one per event; ``step`` is the engine step it happened in."""
 
@@ -104,7 +104,7 @@ class EngineEvent:
     time: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PageStored(EngineEvent):
     """A full page was registered in the prefix index after the forward that wrote it."""
 
@@ -120,7 +120,7 @@ class PageStored(EngineEvent):
     namespace: bytes | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PageEvicted(EngineEvent):
     """A cached page was taken by the eviction policy; its KV is gone (what it held is kept here).
 
@@ -138,14 +138,14 @@ class PageEvicted(EngineEvent):
     evictable: int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CacheCleared(EngineEvent):
     """The prefix index was emptied: ``pages`` cached pages went free (in-use pages were only unindexed)."""
 
     pages: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RequestAdmitted(EngineEvent):
     """A waiting request got a batch slot, with the KV of its leading ``hit_pages`` served by the prefix cache.
 
@@ -169,14 +169,14 @@ class RequestAdmitted(EngineEvent):
     namespace: bytes | None = None  # its prefix-cache namespace, as ``PageStored.namespace``; None: not reported
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RequestPreempted(EngineEvent):
     """A running request gave its pages back (registered ones stay cached) and waits to be recomputed."""
 
     request: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RequestFinished(EngineEvent):
     """A request ended; ``status`` is "finished", "cancelled" or "failed"."""
 
@@ -184,7 +184,7 @@ class RequestFinished(EngineEvent):
     status: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StepSample:
     """One engine step, recorded as it ended: what the charts draw, at the engine's own pace."""
 
@@ -208,7 +208,7 @@ class StepSample:
     admitted: tuple[tuple[int, int, int], ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RequestInfo:
     """Per-request progress, for badges and tables."""
 

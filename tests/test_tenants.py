@@ -195,6 +195,20 @@ def test_bad_tenant_settings_get_a_clear_error(model, tokenizer):
             engine.add_tenant(0)
         with pytest.raises(ValueError, match="eviction"):
             engine.add_tenant(4, eviction="random")
+        with pytest.raises(ValueError, match="keep_finished must be an integer >= 1"):
+            engine.add_tenant(4, keep_finished=0)
         assert engine.add_tenant(8).pool.n_pages == 8  # the refused ones took no pages
+
+
+def test_a_tenant_keeps_its_own_observation_bounds(model, tokenizer):
+    """A visitor's own pool keeps records sized to it (the playground's ``OWN_POOL_OBSERVATION``), not the
+    engine's: its ended requests and its step history are bounded by what it was given."""
+    with InferenceEngine(model, tokenizer, page_size=PAGE, n_pages=16, tenant_pages=16, compile=False) as engine:
+        tenant = engine.add_tenant(16, keep_finished=2, history_size=3)
+        for prompt in ("Once upon a time", "The cat sat", "A little girl", "The sun was"):
+            tenant.generate([prompt], max_tokens=4)
+        known = tenant.request_info(list(range(1000)))  # ids are the engine's: every one it could have given
+        assert len(known) == 2 and all(info.status == "finished" for info in known)
+        assert len(tenant.history()) == 3
         with pytest.raises(TypeError, match="shutdown"):
             engine.close()

@@ -40,7 +40,10 @@ from astrai.playground.backends.profiles import DEFAULT_PROFILE, Profile, model_
 from astrai.playground.backends.protocol import BackendError, EngineLimitReached, EngineView, Progress
 
 log = logging.getLogger("astrai.playground")
-OWN_POOL_HISTORY = 1024  # steps a visitor's own pool keeps (a run of the lesson's small pools takes ~200)
+# What a visitor's own pool keeps of its past, sized to one visitor rather than to the pool everyone shares (a class
+# of 30 holds 60 of them): its steps (a run of the lesson's small pools takes ~200), its events, its ended requests
+# (a run has at most 6) and the keys its explanations read.
+OWN_POOL_OBSERVATION = {"history_size": 1024, "event_log_size": 1024, "keep_finished": 64, "explain_keys": 1024}
 
 
 @dataclass
@@ -297,7 +300,7 @@ class LocalEngines:
                 max_batch_size=settings.max_batch_size,
                 prefix_caching=settings.prefix_caching,
                 eviction=settings.eviction,
-                history_size=OWN_POOL_HISTORY,
+                **OWN_POOL_OBSERVATION,
             )
         except TenantReserveFull as exc:
             log.info("no own pool for a visitor: %s", exc)
