@@ -231,6 +231,23 @@ def test_an_eviction_after_a_vllm_request_ended_never_rewrites_its_explanation()
     assert why() == then
 
 
+def test_where_namespaces_are_known_a_page_held_and_not_served_is_still_a_conflict():
+    """Only a server's missing salts make a held, unserved page "another namespace": an engine reports every
+    namespace, so there the same facts break its own rules, and the explanation says so rather than guess."""
+    prompt = tuple(range(10, 19))
+    space = b"ns"
+    events: list[EngineEvent] = []
+    key = page_key(None, prompt[:4])
+    stamp(events, PageStored, 1, page=0, key=key, parent_key=None, chain_pos=0, request=1, token_ids=prompt[:4],
+          namespace=space)  # fmt: skip
+    stamp(events, RequestAdmitted, 2, request=2, prompt_tokens=9, cached_tokens=0, cached_output_tokens=0,
+          hit_pages=(), readmission=False, namespace=space)  # fmt: skip
+    history = KeyHistory()
+    history.feed(events)
+    (x,) = checked(explain(history, [info(2, prompt, 0)], page_size=4), [info(2, prompt, 0)])
+    assert x.segments[0].cause is Cause.UNKNOWN and x.segments[0].unknown is Unknown.CONFLICT
+
+
 def test_a_vllm_run_records_when_each_request_ended():
     """The backend stamps each request's end (its stream's thread, once the run's blocks are caught up), which the
     test above relies on."""

@@ -239,7 +239,7 @@ class _Prompt:
                 return self._ended(*held)
             if self.history.incomplete_before(at) is Unknown.EVENTS_LOST:
                 return _Fact(Cause.UNKNOWN, unknown=Unknown.EVENTS_LOST)
-            if None in (held[0].namespace, self.lookup.namespace):  # a server's salt: never sent, so never compared
+            if self.lookup.namespace is None or not self.history.namespaces_known:  # a server sends no salts
                 return self._other_namespace(*held)
             return _Fact(Cause.UNKNOWN, unknown=Unknown.CONFLICT)
         ended = [(rec, life) for rec in self._own(i) if (life := rec.ended_before(at)) is not None]
