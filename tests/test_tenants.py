@@ -207,7 +207,9 @@ def test_a_tenant_keeps_its_own_observation_bounds(model, tokenizer):
         tenant = engine.add_tenant(16, keep_finished=2, history_size=3)
         for prompt in ("Once upon a time", "The cat sat", "A little girl", "The sun was"):
             tenant.generate([prompt], max_tokens=4)
-        known = tenant.request_info(list(range(1000)))  # ids are the engine's: every one it could have given
+        admitted = sorted({e.request for e in tenant.events() if isinstance(e, RequestAdmitted)})
+        assert len(admitted) == 4
+        known = tenant.request_info(admitted)
         assert len(known) == 2 and all(info.status == "finished" for info in known)
         assert len(tenant.history()) == 3
         with pytest.raises(TypeError, match="shutdown"):
