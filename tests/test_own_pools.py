@@ -113,3 +113,53 @@ def test_a_step_on_ones_own_pool_starts_from_an_empty_cache_each_visit():
         pg.setup.lesson(STEP_3, 0, request("ann"), no_progress)  # the class goes over the step again
         assert pg.ctx.engines.backend(pg.ctx.visitors.peek("ann").profile) is own, "the same pool of ann's own"
         assert own.stats().cached_pages == 0
+
+
+WHY_MISS = next(i for i, step in enumerate(LESSON) if step.scenario == "Why did it miss?")
+
+
+def own_pools(pg: Playground) -> set[str]:
+    return {p.owner for p in pg.ctx.engines.built() if p.owner is not None}
+
+
+def test_a_visitor_holds_one_own_pool_and_gives_it_back_on_leaving():
+    """A reserve of 49 pages holds one 40-page and one 9-page pool. Ann on step 3, then step 8, holds only the
+    second: so Bob still gets a 40-page pool of his own. Ann's page closes: hers goes back, and her state with it."""
+    with playground(tenant_pages=49) as pg:
+        pg.setup.lesson(STEP_3, 0, request("ann"), no_progress)
+        pg.setup.lesson(WHY_MISS, 0, request("ann"), no_progress)
+        ann = pg.ctx.visitors.peek("ann").profile
+        assert ann.owner is not None and [p for p in pg.ctx.engines.built() if p.owner] == [ann]
+        update = pg.setup.lesson(STEP_3, 0, request("bob"), no_progress)
+        assert pg.ctx.visitors.peek("bob").profile.owner is not None, update[pg.ctx.ui.setup.engine.status]
+        pg.setup.leave(request("ann"))
+        assert own_pools(pg) == {pg.ctx.visitors.peek("bob").profile.owner}
+        assert pg.ctx.visitors.peek("ann").profile == DEFAULT_PROFILE, "a fresh visitor: ann's state is gone"
+        host = pg.ctx.engines.ensure(DEFAULT_PROFILE).engine
+        assert host is not None and [t.pool.n_pages for t in host.tenants] == [40]
+
+
+def test_an_own_pool_given_back_during_its_run_goes_when_the_run_ends():
+    with playground() as pg:
+        pg.setup.lesson(STEP_3, 0, request("ann"), no_progress)
+        step_3 = pg.ctx.visitors.peek("ann").profile
+        run = pg.runs.run(fields(pg), request("ann"))
+        next(run)  # streaming on ann's step-3 pool
+        pg.setup.lesson(WHY_MISS, 0, request("ann"), no_progress)
+        assert step_3 in pg.ctx.engines.built(), "a pool a run holds stays until that run ends"
+        *_, last = run
+        assert not any("rror" in str(v) for v in last.values()), "the run ended as runs end"
+        pool = pg.ctx.engines.backend(step_3)
+        assert pool is None and step_3 not in pg.ctx.engines.built()
+
+
+def test_an_idle_own_pool_is_taken_back_when_another_visitor_needs_the_reserve(monkeypatch):
+    """Past the reserve, a pool idle ``OWN_POOL_RECLAIM_S`` (a page closed without its unload reaching us) goes to
+    the newcomer; a pool used more recently stays, and the newcomer is told they share (the test above it)."""
+    from astrai.playground.backends import engines
+
+    with playground(tenant_pages=40) as pg:
+        pg.setup.lesson(STEP_3, 0, request("gone"), no_progress)
+        monkeypatch.setattr(engines, "OWN_POOL_RECLAIM_S", 0.0)
+        pg.setup.lesson(STEP_3, 0, request("new"), no_progress)
+        assert own_pools(pg) == {pg.ctx.visitors.peek("new").profile.owner}

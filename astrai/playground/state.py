@@ -113,6 +113,14 @@ class Visitors:
         visitor.seen_at = now
         return visitor
 
+    def leave(self, session: str) -> None:
+        """The visitor's page closed (Gradio's unload): their state goes, recording and all. A reload is a new
+        session, so nothing could read it again; the requests they own stay known (``owners``), as another
+        visitor's view of their pages needs no more than that they were someone else's."""
+        with self._lock:
+            self._visitors.pop(session, None)
+            self._polling.pop(session, None)
+
     def on(self, profile: Profile) -> int:
         """Visitors on ``profile``'s engine (at least the caller, who just polled or acted): those whose view is on
         it, seen recently, and those whose run streams on it, wherever they went since. Counted at most once a

@@ -18,11 +18,17 @@ Invariants (all under ``_lock``, which is held only to read or change the table,
   come out of that engine's reserve (``tenant_pages``, counted in the default engine's KV), its steps are the
   default engine's forwards, and it is made, held and retired as a slot like any other. It counts against no
   engine bound; past the reserve, ``EngineLimitReached``.
+- A visitor holds at most one own pool: moving to another pool or leaving the page gives the others back
+  (``release_own``), at once where no run holds them, else as their last run ends. A pool idle
+  ``OWN_POOL_RECLAIM_S`` is taken back when the reserve is full and another visitor needs one (a visitor whose page
+  closed without Gradio's unload reaching us). Each step on one's own pool starts empty, so neither loses anything
+  a visitor could see.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -36,7 +42,7 @@ from astrai.checkpoints import load_checkpoint
 from astrai.model_runner import kv_bytes_per_token
 from astrai.playground import knobs
 from astrai.playground.backends.local import LocalBackend
-from astrai.playground.backends.profiles import DEFAULT_PROFILE, Profile, model_choices, without_caching
+from astrai.playground.backends.profiles import DEFAULT_PROFILE, Profile, model_choices, owner_of, without_caching
 from astrai.playground.backends.protocol import BackendError, EngineLimitReached, EngineView, Progress
 
 log = logging.getLogger("astrai.playground")
@@ -44,6 +50,9 @@ log = logging.getLogger("astrai.playground")
 # of 30 holds 60 of them): its steps (a run of the lesson's small pools takes ~200), its events, its ended requests
 # (a run has at most 6) and the keys its explanations read.
 OWN_POOL_OBSERVATION = {"history_size": 1024, "event_log_size": 1024, "keep_finished": 64, "explain_keys": 1024}
+# An own pool idle this long is taken back when the reserve is full and another visitor needs one: longer than a
+# student reads a step's note between two presses, far shorter than the 600 s an engine is kept.
+OWN_POOL_RECLAIM_S = 120.0
 
 
 @dataclass
@@ -55,6 +64,7 @@ class _Slot:
     error: BaseException | None = None  # set when the build failed (the slot is then gone from the table)
     runs: int = 0  # runs holding it now
     last_used: float = field(default_factory=time.monotonic)
+    released: bool = False  # its visitor gave it back while a run held it: it goes as the last run ends
 
 
 @dataclass
@@ -147,6 +157,11 @@ class LocalEngines:
             with self._lock:
                 slot.runs -= 1
                 slot.last_used = time.monotonic()
+                done = slot.released and slot.runs == 0 and self._slots.get(profile) is slot
+                if done:
+                    del self._slots[profile]
+            if done:
+                self._close(slot, "given back by its visitor, after its last run")
 
     def view(self, profile: Profile, visitors: int) -> EngineView:
         if profile.owner is None:
@@ -165,6 +180,20 @@ class LocalEngines:
             default.page_size,
         )
         return profile.own(session) if hostable and settings.n_pages <= self._tenant_pages else profile
+
+    def release_own(self, session: str, keep: Profile | None = None) -> None:
+        owner = owner_of(session)
+        with self._lock:
+            theirs = [p for p in self._slots if p.owner == owner and p != keep]
+            given_back = []
+            for profile in theirs:
+                slot = self._slots[profile]
+                if slot.runs > 0 or slot.backend is None:  # running, or still being built: goes when it is free
+                    slot.released = True
+                else:
+                    given_back.append(self._slots.pop(profile))
+        for slot in given_back:
+            self._close(slot, "given back by its visitor")
 
     def without_caching(self, profile: Profile) -> Profile:
         return without_caching(profile)
@@ -294,20 +323,44 @@ class LocalEngines:
         settings = profile.settings
         host = self.ensure(self._default).engine
         assert host is not None  # the default profile's backend is an engine, never a tenant
+        add = functools.partial(
+            host.add_tenant,
+            settings.n_pages,
+            max_batch_size=settings.max_batch_size,
+            prefix_caching=settings.prefix_caching,
+            eviction=settings.eviction,
+            **OWN_POOL_OBSERVATION,
+        )
         try:
-            tenant = host.add_tenant(
-                settings.n_pages,
-                max_batch_size=settings.max_batch_size,
-                prefix_caching=settings.prefix_caching,
-                eviction=settings.eviction,
-                **OWN_POOL_OBSERVATION,
-            )
+            try:
+                tenant = add()
+            except TenantReserveFull:
+                if not self._reclaim_own_pools():
+                    raise
+                tenant = add()
         except TenantReserveFull as exc:
             log.info("no own pool for a visitor: %s", exc)
             raise EngineLimitReached(
                 f"The {self._tenant_pages} pages this Space keeps for visitors' own pools are taken."
             ) from exc
         return LocalBackend(tenant, profile.model)
+
+    def _reclaim_own_pools(self) -> bool:
+        """Take back every own pool no run holds that has been idle ``OWN_POOL_RECLAIM_S``; True if any was."""
+        now = time.monotonic()
+        with self._lock:
+            idle = [
+                p
+                for p, slot in self._slots.items()
+                if p.owner is not None
+                and slot.backend is not None
+                and slot.runs == 0
+                and now - slot.last_used >= OWN_POOL_RECLAIM_S
+            ]
+            reclaimed = [self._slots.pop(p) for p in idle]
+        for slot in reclaimed:
+            self._close(slot, f"taken back for another visitor after {now - slot.last_used:.0f} s idle")
+        return bool(reclaimed)
 
     def _model(self, label: str, dtype: str) -> _Model:
         """The loaded model for ``label`` in ``dtype``: loaded once, shared by every engine over it. Only the
@@ -337,9 +390,15 @@ class LocalEngines:
             for key in [k for k in self._models if k not in in_use]:
                 del self._models[key]  # no engine over it is left: its weights can go
         for slot in retired:
-            log.info("engine %s retired after %.0f s idle", slot.profile.key, now - slot.last_used)
-            assert slot.backend is not None
-            slot.backend.shutdown()
+            self._close(slot, f"retired after {now - slot.last_used:.0f} s idle")
+
+    @staticmethod
+    def _close(slot: _Slot, why: str) -> None:
+        """Stop a slot's engine, or close its tenant (its pages go back to the reserve). Called with the slot
+        already out of the table, and never under ``_lock`` (a tenant's close waits for a running forward)."""
+        log.info("engine %s %s", slot.profile.key, why)
+        assert slot.backend is not None
+        slot.backend.shutdown()
 
     def _preload(self, profiles: tuple[Profile, ...]) -> None:
         for profile in profiles:

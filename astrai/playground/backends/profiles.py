@@ -109,12 +109,16 @@ class Profile:
 
     def own(self, session: str) -> Profile:
         """This pool's settings as a pool of ``session``'s own (a tenant of the default engine)."""
-        owner = hashlib.blake2b(session.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
-        return dataclasses.replace(self, owner=owner)
+        return dataclasses.replace(self, owner=owner_of(session))
 
     def shared(self) -> Profile:
         """The profile every visitor shares: this one without an owner."""
         return self if self.owner is None else dataclasses.replace(self, owner=None)
+
+
+def owner_of(session: str) -> str:
+    """The opaque digest that names ``session``'s own pools (``Profile.owner``): a session hash never reaches a log."""
+    return hashlib.blake2b(session.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
 
 
 DEFAULT_PROFILE = Profile()

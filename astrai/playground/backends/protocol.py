@@ -268,6 +268,12 @@ class Engines(Protocol):
         evicts or preempts theirs), where pools can be made so; else ``profile``."""
         ...
 
+    def release_own(self, session: str, keep: Profile | None = None) -> None:
+        """Give back ``session``'s own pools, all but ``keep``: the visitor moved to another pool or left. A step on
+        one's own pool starts from an empty cache anyway, so nothing a visitor could see is lost; a pool a run still
+        holds goes when that run ends."""
+        ...
+
     def without_caching(self, profile: Profile) -> Profile | None:
         """The profile of an engine like ``profile``'s with prefix caching off, where Compare runs its second half;
         None where every profile is served by one pool (a server's own)."""
@@ -315,6 +321,9 @@ class SingleServer:
 
     def own(self, profile: Profile, session: str) -> Profile:
         return profile  # the server's pool is the only one
+
+    def release_own(self, session: str, keep: Profile | None = None) -> None:
+        return None  # no visitor has a pool of their own here
 
     def without_caching(self, profile: Profile) -> None:
         return None  # the server's pool is the only one

@@ -154,6 +154,7 @@ class SetupCallbacks:
             gr.Warning(str(exc))
             return {engine_form.status: f"❌ {exc} You stay on **{visitor.profile.engine}**."}
         visitor.profile = profile
+        engines.release_own(session, keep=profile)  # one own pool a visitor: the one they are on now, if any
         settings = profile.settings
         return {
             engine_form.model: profile.model,
@@ -186,7 +187,14 @@ class SetupCallbacks:
             "playground uses the server's pool as it is."
         )
 
+    def leave(self, request: gr.Request) -> None:
+        """The visitor's page closed: their own pool goes back to the reserve, and their state is forgotten."""
+        session = session_of(request)
+        self.ctx.engines.release_own(session)
+        self.ctx.visitors.leave(session)
+
     def wire(self, demo: gr.Blocks) -> None:
+        demo.unload(self.leave)
         ui, setup = self.ui, self.ui.setup
         columns = ui.panels.columns
         ui.form.n_panels.change(
