@@ -83,16 +83,21 @@ def readme_steps(steps: Sequence[LessonStep]) -> str:
 
 HANDOUT_STYLE = """
 @page { size: auto; margin: 11mm 13mm; }
-body { font: 9pt/1.32 "DejaVu Sans", "Helvetica", "Arial", sans-serif; color: #111; margin: 0; }
+body { font: 8.5pt/1.3 "DejaVu Sans", "Helvetica", "Arial", sans-serif; color: #111; margin: 0; }
 h1 { font-size: 13pt; margin: 0 0 3pt; }
 p { margin: 0 0 5pt; }
-ol { margin: 0; padding: 0; list-style: none; }
+ol { margin: 0; padding: 0; list-style: none; columns: 2; column-gap: 8mm; }
 li { margin: 0 0 5pt; break-inside: avoid; }
 .ask { font-style: italic; margin-top: 1pt; }
 .ask::before { content: "Question: "; font-style: normal; font-weight: bold; }
 .line { border-bottom: 0.6pt dotted #888; height: 11pt; }
 .foot { color: #555; font-size: 7.5pt; margin-top: 4pt; }
 """
+
+
+def sentence(title: str) -> str:
+    """A title as a sentence: a full stop, unless it ends in its own ("How big should the cache be?")."""
+    return title if title.endswith((".", "?", "!")) else f"{title}."
 
 
 def note_html(step: LessonStep) -> str:
@@ -102,7 +107,7 @@ def note_html(step: LessonStep) -> str:
 def handout_html(steps: Sequence[LessonStep]) -> str:
     """One page for students: each step's note as the page shows it, its question and a line for the answer."""
     items = "\n".join(
-        f"<li><b>{number}. {html.escape(plain_title(step))}.</b> {note_html(step)}"
+        f"<li><b>{number}. {html.escape(sentence(plain_title(step)))}</b> {note_html(step)}"
         f'<div class="ask">{html.escape(asked(step))}</div><div class="line"></div></li>'
         for number, step in enumerate(steps, start=1)
     )
