@@ -282,6 +282,8 @@ def test_browser_the_key_opens_presenter_mode_and_the_class_follows_the_banner(t
             wrong.wait_for_selector("#run_btn", state="visible", timeout=60000)
             for page in (visitor, wrong):
                 assert not page.locator("#teacher_view").is_visible() and not page.locator("#class_panel").is_visible()
+            wide, narrow = (p.locator("#page_map").bounding_box()["width"] for p in (teacher, visitor))
+            assert wide > 2 * narrow, f"presenter mode: a larger page map ({wide} px wide, a visitor's {narrow})"
             for number in range(2, eviction + 2):  # pressed from a script: a click by Playwright would scroll to it
                 teacher.evaluate("document.getElementById('lesson_next').click()")
                 teacher.wait_for_function(
