@@ -11,7 +11,7 @@ import json
 import re
 import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -57,6 +57,7 @@ class Class:
     runs: RunCallbacks
     live: LiveCallbacks
     setup: SetupCallbacks
+    cursors: dict[str, LiveCursor] = field(default_factory=dict)  # each page's live view, as it last drew
 
     def open_page(self, session: str, **query: str) -> dict:
         """A page opens, on the lesson's first step (the query: its address's)."""
@@ -196,20 +197,31 @@ def test_the_class_panel_counts_a_known_sequence_of_runs_and_shows_no_visitors_t
 
 
 # ----- the banner --------------------------------------------------------------------------------------------------
+def settled(klass: Class, session: str) -> LiveCursor:
+    """The cursor of a page that has drawn everything: its next poll waits for a change (``LiveCallbacks.idle``)."""
+    cursor = None
+    for _ in range(10):
+        cursor = klass.live.refresh(cursor, request(session))[klass.ctx.ui.cache.cursor]
+        if klass.live.idle(cursor, session):
+            return cursor
+    raise AssertionError(f"{session}'s page never settled")
+
+
 def tick(klass: Class, session: str) -> dict:
-    """The live view's poll of an idle, settled page."""
-    settled = LiveCursor(settled=True)
-    return asyncio.run(klass.live.watch(settled, request(session)))
+    """The live view's poll of a page that has drawn everything: it answers at once for a change, or once it has
+    waited ``IDLE_WAIT_S`` with nothing."""
+    return asyncio.run(klass.live.watch(klass.cursors[session], request(session)))
 
 
 def test_the_call_reaches_each_visitors_page_once_as_a_banner_and_nothing_else(klass, monkeypatch):
-    monkeypatch.setattr("astrai.playground.callbacks.live.IDLE_WAIT_S", 0.5)  # an idle poll answers sooner
+    monkeypatch.setattr("astrai.playground.callbacks.live.IDLE_WAIT_S", 0.5)  # a poll with nothing answers sooner
     teacher, banner, views = klass.teacher, klass.teacher.banner, klass.teacher.views
     klass.open_page("teacher", teacher=KEY)
     klass.open_page("here")
     klass.open_page("there")
     eviction = step_of("3.")
     klass.go_to("there", eviction)
+    klass.cursors = {session: settled(klass, session) for session in ("here", "there", "teacher")}
     assert banner.row not in tick(klass, "here"), "no call yet"
     teacher.move(eviction, request("teacher"))
     shown = tick(klass, "here")
