@@ -7,15 +7,16 @@
 It starts this checkout's app.py on loopback (``--url`` uses a running one instead; ``--teacher`` then needs its
 ``ASTRAI_TEACHER_KEY`` in the environment), opens it at 1366×768, and at each step does what the step's note says
 (``promises.presses``: Run, Run twice, Follow-up turn, Compare) and waits for the run to end before it takes the
-picture. README's image is step 1 after its Run, as a visitor sees it.
+picture. README's image is step 1 after its Run, as a visitor sees it; a teacher's are scrolled to the view each step
+points at, the class panel folded away, as a teacher projects them.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
+import re
 import secrets
 import sys
 from collections.abc import Iterator
@@ -31,6 +32,10 @@ ROOT = Path(__file__).resolve().parents[1]
 README_IMAGE = ROOT / "assets" / "playground.png"
 VIEWPORT = (1366, 768)
 WAIT_MS = 120_000
+SCROLL_TO_JS = (  # presenter mode makes scrollIntoView a no-op: scroll the window itself
+    "(id) => { const e = id && document.getElementById(id);"
+    " window.scrollTo(0, e ? e.getBoundingClientRect().top + window.scrollY - 8 : 0); }"
+)
 SAVINGS_DRAWN = (
     "(() => { const p = document.querySelector('#savings .js-plotly-plot');"
     " return p && p.data.filter(t => t.name === 'caching off').length > 0; })()"
@@ -48,19 +53,20 @@ def app_url(url: str | None, key: str | None) -> Iterator[str]:
 
 
 def show_step(page: Any, steps: tuple[LessonStep, ...], number: int) -> None:
-    """Lesson ▶ until the note says step ``number`` (the page opens on the first; steps go forward only)."""
+    """Lesson ▶ until the note says step ``number`` (steps go forward only; the page opens on the first)."""
     if not 1 <= number <= len(steps):
         raise ValueError(f"the lesson has steps 1 to {len(steps)}, not {number}")
-    note = f"Lesson {number}/{len(steps)}"
-    for _ in range(len(steps)):
-        if note in page.locator("#scenario_note").inner_text():
-            return
-        shown = page.locator("#scenario_note").inner_text()
-        page.click("#lesson_next")
+    found = re.search(r"Lesson (\d+)/", page.locator("#scenario_note").inner_text())
+    if found is None:
+        raise RuntimeError("the note names no lesson step")
+    shown = int(found.group(1))
+    if shown > number:
+        raise ValueError(f"the page is on step {shown}, past step {number}")
+    for following in range(shown + 1, number + 1):
+        page.evaluate("document.getElementById('lesson_next').click()")  # a script's click scrolls nothing
         page.wait_for_function(
-            f"document.querySelector('#scenario_note').innerText !== {json.dumps(shown)}", timeout=WAIT_MS
+            f"document.querySelector('#scenario_note').innerText.includes('Lesson {following}/')", timeout=WAIT_MS
         )
-    raise RuntimeError(f"Lesson ▶ never reached {note} (already past it?)")
 
 
 def do_step(page: Any, step: LessonStep) -> None:
@@ -79,17 +85,21 @@ def do_step(page: Any, step: LessonStep) -> None:
 
 
 def capture(url: str, shots: dict[int, Path], teacher_key: str | None) -> None:
-    """Each ``{step number: path}``, in order, on one page: a visitor's, or the teacher's in presenter mode."""
+    """Each ``{step number: path}``, in order, on one page: a visitor's, at the top of the page, or the teacher's in
+    presenter mode, its class panel folded away and the page scrolled to the view the step points at (as the
+    teacher projects it: the note is pinned below)."""
     steps = Lesson.for_deployment(routers=0).steps
     with open_visitors(url, 1, timeout_ms=WAIT_MS, viewport=VIEWPORT) as (page,):
         if teacher_key:
             page.goto(f"{url}?teacher={teacher_key}")
             page.wait_for_selector("#teacher_view", state="visible", timeout=WAIT_MS)
             page.wait_for_selector("#astrai_presenter", state="attached", timeout=WAIT_MS)
+            page.locator("#teacher_view").get_by_text("Teacher's view").first.click()  # folded
         for number, path in sorted(shots.items()):
             show_step(page, steps, number)
             do_step(page, steps[number - 1])
-            page.evaluate("window.scrollTo(0, 0)")
+            look_at = steps[number - 1].look_at if teacher_key else None
+            page.evaluate(SCROLL_TO_JS, look_at)
             path.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(path))
             print(f"wrote {path}")
