@@ -1,8 +1,8 @@
 """The operator's knobs: environment variables read once, at start, each checked against its range.
 
 A value out of range, or not a number, stops the app at start with one line naming the variable, its value and
-what it takes (``KnobError``; app.py prints it), never a traceback and never a silent default. README's
-"Environment knobs" lists the same names and ranges.
+what it takes (``KnobError``; app.py prints it), never a traceback and never a silent default; a teacher's key too
+short to be safe, the same way, without its value. README's "Environment knobs" lists the same names and ranges.
 """
 
 from __future__ import annotations
