@@ -11,9 +11,10 @@ from astrai.playground.teaching import plain_title
 
 PANEL_CAPTION = (
     f"*Open pages*: pages that polled in the last {SEEN_WITHIN_S:g} s (a hidden tab, or one with Live charts off, "
-    "polls nothing and drops out), yours not counted. *Hit rate*: over the panels of the class's runs started on "
-    "that step with prefix caching on, since the app started, prompt tokens served from the prefix cache / prompt "
-    "tokens looked up (each prompt once, at its first admission; Compare's caching-off half is not counted)."
+    "polls nothing and drops out), yours not counted. *Runs*: the class's runs started on that step with prefix "
+    "caching on, since the app started, each once a prompt of it was looked up (Compare's caching-off half is not "
+    "counted). *Hit rate*: over their panels, prompt tokens served from the prefix cache / prompt tokens looked up "
+    "(each prompt once, at its first admission)."
 )
 
 
