@@ -1,8 +1,8 @@
 """The operator's knobs: environment variables read once, at start, each checked against its range.
 
 A value out of range, or not a number, stops the app at start with one line naming the variable, its value and
-what it takes (``KnobError``; app.py prints it), never a traceback and never a silent default. README's
-"Environment knobs" lists the same names and ranges.
+what it takes (``KnobError``; app.py prints it), never a traceback and never a silent default; a teacher's key too
+short to be safe, the same way, without its value. README's "Environment knobs" lists the same names and ranges.
 """
 
 from __future__ import annotations
@@ -38,6 +38,21 @@ class Knob:
         return value
 
 
+TEACHER_KEY_MIN_CHARS = 16  # a key shorter than this is refused: anyone who guesses it gets the teacher's view
+
+
+def teacher_key() -> str | None:
+    """``ASTRAI_TEACHER_KEY``: the key that opens the teacher's view (``?teacher=KEY``); unset or empty, the app has
+    no teacher's view at all. Its value is never echoed, not even in the message that refuses it."""
+    key = os.environ.get("ASTRAI_TEACHER_KEY", "").strip()
+    if key and len(key) < TEACHER_KEY_MIN_CHARS:
+        raise KnobError(
+            f"ASTRAI_TEACHER_KEY: it takes at least {TEACHER_KEY_MIN_CHARS} characters (it has {len(key)}); make "
+            "one with: python -c 'import secrets; print(secrets.token_urlsafe(16))'"
+        )
+    return key or None
+
+
 MAX_BATCH = 128  # the largest batch an engine of the playground runs (Engine settings offer 1 to this)
 
 MAX_ENGINES = int(Knob("ASTRAI_MAX_ENGINES", 6, 1, 64).read())
@@ -54,3 +69,4 @@ QUEUE_SIZE = int(Knob("ASTRAI_QUEUE_SIZE", 64, 1, 100_000).read())  # waiting ev
 # visitors' pools of both sizes (40 + 9 pages), 96 MiB of the embedded model's KV in float32; past it, a visitor
 # shares the step's one pool with everyone else there
 TENANT_PAGES = int(Knob("ASTRAI_TENANT_PAGES", 2048, 0, 65_536).read())
+TEACHER_KEY = teacher_key()

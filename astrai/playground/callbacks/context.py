@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypedDict
 
 import gradio as gr
+from gradio.blocks import Block
 from gradio.components import Component
 
 from astrai.observation import RequestInfo
 from astrai.playground.backends.protocol import Backend, Engines, Served
 from astrai.playground.callbacks.pacing import StreamingRuns
+from astrai.playground.classroom import Classroom
 from astrai.playground.scenarios import Lesson
 from astrai.playground.state import ShownRun, Visitors
 from astrai.playground.ui.components import Components
@@ -26,7 +28,7 @@ class Quiet(TypedDict):
 
 
 QUIET: Quiet = {"show_progress": "hidden", "show_progress_on": []}
-Update = dict[Component, Any]  # what a callback returns: values (or component updates) keyed by component
+Update = dict[Block, Any]  # what a callback returns: values (or component updates) keyed by component (or layout)
 SERVED_WAIT_S = 3.0  # how long a finished run waits for the replicas' KV events to name its requests' replica
 
 
@@ -37,6 +39,7 @@ class Context:
     ui: Components
     runs: StreamingRuns
     lesson: Lesson  # the scenarios and guided steps this deployment offers
+    classroom: Classroom = field(default_factory=Classroom)  # where the class is, for a teacher's view (if any)
 
 
 def session_of(request: gr.Request) -> str:

@@ -25,12 +25,14 @@ from dataclasses import dataclass, field, replace
 
 import anyio
 import gradio as gr
+from gradio.blocks import Block
 
 from astrai.observation import CacheStats, PageEvicted, PageRecord
 from astrai.playground.backends.profiles import Profile
 from astrai.playground.backends.protocol import Backend, BackendError
 from astrai.playground.callbacks.context import QUIET, Context, Update, panel_label, session_of
 from astrai.playground.callbacks.run import RunCallbacks
+from astrai.playground.callbacks.teacher import TeacherCallbacks
 from astrai.playground.views import charts, fleet, pages, series, text, tree
 
 MAX_GHOSTS = 64  # evicted pages kept for the tree's next drawing
@@ -78,8 +80,9 @@ def _engine_key(profile: Profile, backend: Backend | None) -> str:
 
 
 class LiveCallbacks:
-    def __init__(self, ctx: Context, runs: RunCallbacks):
+    def __init__(self, ctx: Context, runs: RunCallbacks, teacher: TeacherCallbacks | None = None):
         self.ctx, self.ui, self.runs = ctx, ctx.ui, runs
+        self.teacher = teacher  # its call to the class rides on this poll (the banner); None: no teacher's view
         self._threads = anyio.CapacityLimiter(THREADS_AT_ONCE)
 
     async def watch(self, cursor: LiveCursor | None, request: gr.Request) -> Update:
@@ -92,12 +95,16 @@ class LiveCallbacks:
             if time.monotonic() >= deadline:
                 return {self.ui.cache.cursor: cursor}  # nothing new (Gradio takes an empty dict for one value)
             await asyncio.sleep(CHECK_EVERY_S)
-        return await anyio.to_thread.run_sync(self.refresh, cursor, request, limiter=self._threads)
+        update = await anyio.to_thread.run_sync(self.refresh, cursor, request, limiter=self._threads)
+        return (update | self.teacher.banner_update(session)) if self.teacher is not None else update
 
     def idle(self, cursor: LiveCursor | None, session: str) -> bool:
         """True while a tick would draw nothing: the tab's last tick found nothing moving and drew it all (settled),
         shows no badges of a run, and since then the visitor has not started a run, gone back live or replaying,
-        nor moved to another engine, and the engine has not stepped. Takes no lock a step holds."""
+        nor moved to another engine, and the engine has not stepped, and no teacher's call waits for the page. Takes
+        no lock a step holds."""
+        if self.teacher is not None and self.teacher.waiting(session):
+            return False
         if cursor is None or not cursor.settled or cursor.badges:
             return False
         visitor = self.ctx.visitors.peek(session)
@@ -249,8 +256,9 @@ class LiveCallbacks:
 
     def wire(self, demo: gr.Blocks) -> None:
         cache = self.ui.cache
-        outputs = [cache.page_map, cache.occupancy, cache.lru, cache.hit_rate, cache.prefix_tree, cache.stats]
-        outputs += [cache.cursor, *self.ui.panels.badges]
+        outputs: list[Block] = [cache.page_map, cache.occupancy, cache.lru, cache.hit_rate, cache.prefix_tree]
+        outputs += [cache.stats, cache.cursor, *self.ui.panels.badges]
+        outputs += self.teacher.banner_outputs if self.teacher is not None else []
         cache.live_charts.change(
             lambda on: gr.Timer(active=bool(on)),
             cache.live_charts,

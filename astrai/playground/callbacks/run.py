@@ -135,6 +135,7 @@ class RunCallbacks:
         """
         ctx, outputs = self.ctx, self.ui.panels.outputs
         visitor = ctx.visitors.act(session)
+        step = ctx.classroom.step_of(session)  # the lesson step it was started on, for a teacher's class panel
         n = len(batch.prompts)
         answers = [""] * n
 
@@ -175,7 +176,10 @@ class RunCallbacks:
                     gr.Warning(str(exc))
                 finally:
                     run.close()  # Stop, a closed tab or an error: release the pages now
-                summary = text.run_summary(run_infos(backend, visitor.shown))
+                infos = run_infos(backend, visitor.shown)
+                summary = text.run_summary(infos)
+                if caching and looks_up:
+                    ctx.classroom.count_run(step, [(i.prompt_tokens, i.cached_tokens) for i in infos if i is not None])
         except (ValueError, TypeError, BackendError) as exc:  # refused before anything ran
             raise gr.Error(str(exc)) from None
         if caching:

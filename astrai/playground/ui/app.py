@@ -14,21 +14,29 @@ from astrai.playground.callbacks.routing import RoutingCallbacks
 from astrai.playground.callbacks.run import RunCallbacks
 from astrai.playground.callbacks.setup import SetupCallbacks
 from astrai.playground.callbacks.sizing import SizingCallbacks
+from astrai.playground.callbacks.teacher import TeacherCallbacks
 from astrai.playground.scenarios import Lesson
 from astrai.playground.state import Visitors
 from astrai.playground.ui.layout import build_layout
+from astrai.playground.ui.teacher import build_banner, build_teacher_views
 
 
-def build_demo(engines: Engines) -> gr.Blocks:
+def build_demo(engines: Engines, teacher_key: str | None = knobs.TEACHER_KEY) -> gr.Blocks:
+    """The page; with ``teacher_key`` (the operator's ``ASTRAI_TEACHER_KEY``), a teacher's view at its top that
+    the key opens, and the banner that moves the class. Without one, neither exists."""
     with gr.Blocks(title="AstrAI playground: see the KV cache", analytics_enabled=False) as demo:
         choices = list(engines.model_choices())
         default = engines.backend(engines.default)
         lesson = Lesson.for_deployment(len(default.routers) if default is not None else 0)
+        teaching = (build_teacher_views(lesson), build_banner()) if teacher_key else None
         ui = build_layout(engines.default, choices, engines.chooses_pools, lesson)
         ctx = Context(engines, Visitors(engines.default), ui, StreamingRuns(), lesson)
+        teacher = TeacherCallbacks(ctx, teacher_key, *teaching) if teacher_key and teaching else None
         runs = RunCallbacks(ctx)
         runs.wire()
-        LiveCallbacks(ctx, runs).wire(demo)
+        LiveCallbacks(ctx, runs, teacher).wire(demo)
+        if teacher is not None:
+            teacher.wire(demo)
         ReplayCallbacks(ctx).wire()
         SetupCallbacks(ctx).wire(demo)
         RoutingCallbacks(ctx, runs).wire()
