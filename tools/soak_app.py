@@ -252,7 +252,7 @@ class _Soak:
             student = Student(index, self.url, self.tls, self.call_timeout, self.job_timeout)
         except Exception as exc:  # no session: its runs count as failed
             for _ in range(runs):
-                self.counted(None, False, f"connecting: {exc}")
+                self.counted(None, False, f"connecting: {str(exc) or repr(exc)}")
             return
         with self.lock:
             self.report.sessions.add(student.client.session_hash)
@@ -281,7 +281,7 @@ class _Soak:
         try:
             status, _ = student.arrive(scenario.name)
         except Exception as exc:  # the visitor could not start the step: its first press counts as failed
-            self.counted(index, fresh, f"arriving: {exc}")
+            self.counted(index, fresh, f"arriving: {str(exc) or repr(exc)}")
             return 1
         if "⚠️" in status:
             with self.lock:
@@ -308,7 +308,7 @@ class _Soak:
                     raise RuntimeError(f"ended early: {trouble}")
                 panels = read_panels(after, len(prompts))
             except Exception as exc:
-                self.counted(index, never_seen, f"{button}: {exc}")
+                self.counted(index, never_seen, f"{button}: {str(exc) or repr(exc)}")
                 return made
             outputs = result.outputs
             self.counted(index, never_seen, None, panels, [str(b) for b in after[: len(prompts)]])
@@ -425,6 +425,7 @@ def main() -> None:
     parser.add_argument("--job-timeout", type=float, default=300.0, help="a run still streaming after this fails")
     parser.add_argument("--json", type=Path, help="also write the report here, as JSON")
     parser.add_argument("--app", type=Path, default=APP, help="the app.py to start (another checkout's, say)")
+    parser.add_argument("--app-log", type=Path, help="where the started app's output goes (default: nowhere)")
     args = parser.parse_args()
     if not 1 <= args.visitors <= args.runs or args.concurrent < 1 or args.max_tokens < 1:
         parser.error("--visitors takes 1 to --runs, and --concurrent and --max-tokens 1 or more")
@@ -435,7 +436,7 @@ def main() -> None:
     except ValueError as exc:
         parser.error(str(exc))
     with contextlib.ExitStack() as stack:
-        launched = None if args.url else stack.enter_context(start_app(app=args.app))
+        launched = None if args.url else stack.enter_context(start_app(log_path=args.app_log, app=args.app))
         report = run_app_soak(
             args.url or launched.url,
             args.visitors,
