@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypedDict
 
 import gradio as gr
+from gradio.blocks import Block
 from gradio.components import Component
 
 from astrai.observation import RequestInfo
@@ -26,7 +27,8 @@ class Quiet(TypedDict):
 
 
 QUIET: Quiet = {"show_progress": "hidden", "show_progress_on": []}
-Update = dict[Component, Any]  # what a callback returns: values (or component updates) keyed by component
+# what a callback returns: values (or component updates) keyed by component, or by layout block (a column shown)
+Update = dict[Block, Any]
 SERVED_WAIT_S = 3.0  # how long a finished run waits for the replicas' KV events to name its requests' replica
 
 

@@ -30,7 +30,7 @@ def build_demo(engines: Engines) -> gr.Blocks:
         runs.wire()
         LiveCallbacks(ctx, runs).wire(demo)
         ReplayCallbacks(ctx).wire()
-        SetupCallbacks(ctx).wire(demo)
+        SetupCallbacks(ctx, runs).wire(demo)
         RoutingCallbacks(ctx, runs).wire()
         SizingCallbacks(ctx).wire(demo)
     demo.queue(max_size=knobs.QUEUE_SIZE, default_concurrency_limit=2)
