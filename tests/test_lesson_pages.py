@@ -50,8 +50,10 @@ def _run(pg: Playground, session: str, form: dict[str, Any]) -> dict[Any, Any]:
 
 
 def _value(update: Any) -> Any:
-    """A value as sent: a component given as an update carries it in ``value``."""
-    return update.value if isinstance(update, gr.components.Component) else update
+    """A value as sent: a component given as an update sends one only where it was given one ("unchanged" if not)."""
+    if isinstance(update, gr.components.Component):
+        return update.constructor_args.get("value", "unchanged")
+    return update
 
 
 def _assert_clean_slate(pg: Playground, session: str, update: dict[Any, Any], where: str) -> None:
@@ -59,7 +61,7 @@ def _assert_clean_slate(pg: Playground, session: str, update: dict[Any, Any], wh
     views = {
         "text": [update[box] for box in ui.panels.outputs],
         "badges": [update[badge] for badge in ui.panels.badges],
-        "token colouring": [update[box] for box in ui.panels.highlights],
+        "token colouring": [_value(update[box]) for box in ui.panels.highlights],
     }
     for what, values in views.items():
         assert all(not v for v in values), f"{where}: the last run's {what} stay: {values}"
@@ -68,6 +70,11 @@ def _assert_clean_slate(pg: Playground, session: str, update: dict[Any, Any], wh
     assert not update[ui.cache.savings].data, f"{where}: the savings chart keeps the last run's bars"
     assert _value(update[ui.replay.step]) == 0 and update[ui.replay.note] == "", f"{where}: the replay stays"
     assert update[ui.replay.timer].active is False and update[ui.cache.cursor] is None, where
+    panels = _value(update.get(ui.form.n_panels))
+    if panels is not None:  # a scenario loaded: its panels shown, their token boxes too, and no more
+        shown = [update[view].visible for view in (*ui.panels.columns, *ui.panels.highlights)]
+        assert shown == [i < panels for i in range(len(ui.panels.columns))] * 2, f"{where}: {panels} panels: {shown}"
+        assert update[ui.setup.lesson_end].visible is False, f"{where}: the lesson's end stays"
     visitor = pg.ctx.visitors.peek(session)
     assert visitor.following and visitor.playback is None, f"{where}: still replaying"
     assert visitor.shown is None and visitor.recording is None, f"{where}: the last run is still the one shown"

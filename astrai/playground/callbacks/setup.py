@@ -98,18 +98,22 @@ class SetupCallbacks:
         }
         prompts = scenario.prompts + [""] * (MAX_PANELS - len(scenario.prompts))
         update |= dict(zip(ui.panels.prompts, prompts, strict=True))
-        update |= self.panels_shown(len(scenario.prompts))  # at once: the step's view is placed under them
         session = session_of(request)
         update |= self._move(session, scenario.profile, progress)
         self._start_clean(session)
-        return update | self._clean_slate(session)
+        update |= self._clean_slate(session)
+        return update | self.panels_shown(len(scenario.prompts), emptied=True)  # at once: the view goes under them
 
-    def panels_shown(self, n: float) -> Update:
-        """The first ``n`` panels shown, and their token boxes (a hidden panel's box takes no room either)."""
+    def panels_shown(self, n: float, emptied: bool = False) -> Update:
+        """The first ``n`` panels shown, and their token boxes (a hidden panel's box takes no room either);
+        ``emptied``: the boxes emptied too (a scenario loaded: the clean slate)."""
         panels = self.ui.panels
         return {
             **{column: gr.Column(visible=i < int(n)) for i, column in enumerate(panels.columns)},
-            **{box: gr.HTML(visible=i < int(n)) for i, box in enumerate(panels.highlights)},
+            **{
+                box: gr.HTML(None, visible=i < int(n)) if emptied else gr.HTML(visible=i < int(n))
+                for i, box in enumerate(panels.highlights)
+            },
         }
 
     def _clean_slate(self, session: str) -> Update:
