@@ -123,6 +123,7 @@ def test_browser_every_lesson_page_shows_its_note_buttons_and_view_together(app_
         for button in ("lesson_prev", "lesson_next"):
             height, run_height = sizes[button][3] - sizes[button][1], sizes["run_btn"][3] - sizes["run_btn"][1]
             assert height >= run_height and sizes[button][2] - sizes[button][0] >= 80, f"#{button}: {sizes}"
+        rows.append(_assert_together(_measure(page, 0), 0, "page opened"))
         # step 1's run, on the page as it opened: its badges on screen without scrolling
         run_and_wait(page, 4)
         page.wait_for_function(
@@ -130,6 +131,7 @@ def test_browser_every_lesson_page_shows_its_note_buttons_and_view_together(app_
         )
         badges = page.evaluate(BOXES_JS, [f"badge_{i}" for i in range(4)])
         assert all(b and b[1] >= 0 and b[3] <= HEIGHT for b in badges.values()), f"step 1's badges: {badges}"
+        rows.append(["1", "its Run", "", "", "badge_0–3", f"{badges['badge_0'][1]}–{badges['badge_0'][3]}"])
         cached = sum(int(re.search(r"(\d+) cached", b).group(1)) for b in _badges(page, 4))
         # everything the run filled, and a replay of it, gone once the next page loads
         page.locator("#tokens_accordion").get_by_text("Prompt tokens").click()
