@@ -137,4 +137,6 @@ if engines is None:  # the embedded engine: its page answers within seconds of t
 demo = create_app(engines, allow_hub_models=ARGS.allow_hub_models)
 
 if __name__ == "__main__":
-    demo.launch()
+    from astrai.playground.ui.layout import PAGE_CSS  # Gradio 6 takes a page's CSS at launch
+
+    demo.launch(css=PAGE_CSS)

@@ -366,14 +366,14 @@ def test_browser_laptop_screen_shows_panels_and_cache_together_then_replay_tree_
 
 @pytest.mark.browser
 def test_browser_lesson_steps_load_their_scenario_and_point_at_a_view(laptop):
-    from astrai.playground.scenarios import LESSON, SCENARIO_BY_NAME
+    from astrai.playground.scenarios import SCENARIO_BY_NAME, Lesson
 
-    page = laptop
-    for number, step in enumerate(LESSON, start=1):
+    page, lesson = laptop, Lesson.for_deployment(routers=0)
+    for number, step in enumerate(lesson.steps, start=1):
         if number > 1:  # the page opens on the first step
             page.click("#lesson_next")
         page.wait_for_function(
-            f"document.querySelector('#scenario_note').innerText.includes('Lesson {number}/{len(LESSON)}')",
+            f"document.querySelector('#scenario_note').innerText.includes('Lesson {number}/{lesson.length}')",
             timeout=60000,
         )
         first_prompt = SCENARIO_BY_NAME[step.scenario].prompts[0]

@@ -78,14 +78,14 @@ class Stop:
     def title(self) -> str:
         if self.lesson_step is None:
             return f"scenario {self.scenario.name!r}"
-        return f"lesson step {self.lesson_step + 1}/{len(LESSON.steps)}"
+        return f"lesson step {self.lesson_step + 1}/{LESSON.length}"
 
     @property
     def note(self) -> str:
         """How the note beside the page map starts once a visitor is there."""
         if self.lesson_step is None:
             return f"{self.scenario.name}:"
-        return f"Lesson {self.lesson_step + 1}/{len(LESSON.steps)}:"
+        return f"Lesson {self.lesson_step + 1}/{LESSON.length}:"
 
     @property
     def max_tokens(self) -> int:

@@ -488,7 +488,10 @@ class VisitorActions(RuleBasedStateMachine):
             self.go(v, where)
         elif how == "lesson":
             update = self.pg.setup.lesson(self.lesson_step[v], where, self.req(v), no_progress)
-            self.moved(v, update, SCENARIO_BY_NAME[update[self.ui.setup.scenario]].profile)
+            if self.ui.setup.scenario in update:
+                self.moved(v, update, SCENARIO_BY_NAME[update[self.ui.setup.scenario]].profile)
+            else:  # the lesson's end: no scenario, so nobody moves
+                self.absorb(v, update)
         else:
             self.settle_on(v, *where)
 

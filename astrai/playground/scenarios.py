@@ -196,51 +196,51 @@ class LessonStep:
 
 LESSON = [
     LessonStep(
-        "1. A shared system prompt is computed once",
+        "A shared system prompt is computed once",
         "Shared system prompt",
         "page_map",
         "Press Run. Panel 1 computes the prefix pages; panels 2–4 are admitted in the same step and share them "
         "(x-marked cells in the page map), so their badges show 32 or more cached tokens in the very first run.",
     ),
     LessonStep(
-        "2. Nothing shared, nothing hit",
+        "Nothing shared, nothing hit",
         "Distinct prompts (no hits)",
         "plot_2",
         "Press Run. Every prompt fills two full pages, but no two start alike and the run starts from a cold cache, "
         "so no panel gets a cached token: the dots of this run in the hit rate chart sit at 0%.",
     ),
     LessonStep(
-        "3. Eviction: the LRU gives pages back",
+        "Eviction: the LRU gives pages back",
         "Eviction pressure (small pool)",
         "plot_1",
         "Press Run twice. The 40-page pool cannot keep every story: the LRU fills with cached pages, then drains as "
         "evictions (red) make room, and a request may be preempted and recomputed.",
     ),
     LessonStep(
-        "4. The chained hash: same tokens, different key",
+        "The chained hash: same tokens, different key",
         "Same page, different prefix",
         "prefix_tree",
         "Press Run. Both prompts hold a page with the very same tokens, yet the second gets 0 cached tokens: each "
         "page's key hashes every page before it, so the tree of your run shows two separate branches from the root.",
     ),
     LessonStep(
-        "5. A follow-up turn hits the answer too",
+        "A follow-up turn hits the answer too",
         "Follow-up turn",
         "tokens_accordion",
         "Press Run, then Follow-up turn, then Run again. The second turn's cached tokens go past the first prompt: "
         "pages filled by the generated answer were registered and hit too (open 'Prompt tokens' to see them green).",
     ),
     LessonStep(
-        "6. Caching off versus on",
+        "Caching off versus on",
         "Shared system prompt",
         "savings",
         "Press Compare with caching off. The same batch runs twice, once with the prefix cache and once on an "
         "engine without it: caching on computes fewer prefill tokens (the bars on the left). On the tiny embedded "
         "model the times to first token differ little: prefill is cheap next to each step's fixed cost.",
     ),
-    LessonStep("7. How big should the cache be?", "Eviction pressure (small pool)", "sizing", sizing_claim()),
+    LessonStep("How big should the cache be?", "Eviction pressure (small pool)", "sizing", sizing_claim()),
     LessonStep(
-        "8. Why did it miss?",
+        "Why did it miss?",
         WHY.name,
         "tokens_accordion",
         "Press Run and open 'Prompt tokens'. Panel 1's tokens are new. Panel 2's first page diverges from panel "
@@ -258,7 +258,7 @@ LESSON_PROFILES = (
     without_caching(DEFAULT_PROFILE),
 )
 ROUTING_STEP = LessonStep(
-    "9. Routing decides what is reused",
+    "Routing decides what is reused",
     TENANTS.name,
     "routing",
     "Press Compare routing. The tenants' waves go once through the round-robin router and once through the "
@@ -269,11 +269,32 @@ ROUTING_STEP = LessonStep(
 
 
 @dataclass(frozen=True)
+class LessonEnd:
+    """The page after the last step: no scenario, the visitor's own runs counted by cause (``look_at`` shows them)."""
+
+    title: str
+    look_at: str  # elem_id of the view it fills
+    text: str
+
+
+WHAT_YOU_SAW = LessonEnd(
+    "What you saw",
+    "lesson_end",
+    "Below: every prompt token of your runs since you opened the page (or restarted the lesson), counted by why it "
+    "was served from the cache or computed, and the five reasons a token is computed. Press Restart lesson to go "
+    "through the steps again.",
+)
+
+
+@dataclass(frozen=True)
 class Lesson:
-    """The scenarios a deployment offers and its guided steps: a fleet with two routers adds routing."""
+    """The scenarios a deployment offers, its guided steps (a fleet with two routers adds routing) and its end.
+
+    The pages of the lesson are numbered 0 .. ``length`` - 1: each step, then the end."""
 
     scenarios: tuple[Scenario, ...]
     steps: tuple[LessonStep, ...]
+    end: LessonEnd = WHAT_YOU_SAW
 
     @classmethod
     def for_deployment(cls, routers: int) -> Lesson:
@@ -281,7 +302,19 @@ class Lesson:
             return cls((*SCENARIOS, TENANTS), (*LESSON, ROUTING_STEP))
         return cls(tuple(SCENARIOS), tuple(LESSON))
 
+    @property
+    def length(self) -> int:
+        return len(self.steps) + 1
+
+    def is_end(self, index: int) -> bool:
+        return index >= len(self.steps)
+
+    def look_at(self) -> list[str]:
+        """The view each page points at, by page."""
+        return [step.look_at for step in self.steps] + [self.end.look_at]
+
     def note(self, index: int) -> str:
-        """The note a step shows (the browser's highlight hook reads the step number back from it)."""
-        step = self.steps[index]
-        return f"**Lesson {index + 1}/{len(self.steps)}: {step.title}.** {step.text}"
+        """The note a page shows (the browser's highlight hook reads the page number back from it)."""
+        page = self.end if self.is_end(index) else self.steps[index]
+        title = page.title if page.title.endswith(("?", "!", ".")) else f"{page.title}."
+        return f"**Lesson {index + 1}/{self.length}: {title}** {page.text}"

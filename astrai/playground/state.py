@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from astrai.playground.backends.profiles import Profile
+from astrai.playground.views.causes import Tally
 from astrai.playground.views.pages import Owner
 from astrai.playground.views.replay import Recording
 from astrai.playground.views.sizing import Curves
@@ -66,7 +67,16 @@ class Visitor:
     without_cache: RunSummary | None = None
     shown: ShownRun | None = None
     sizing: Curves | None = None  # the cache-sizing curves of their own requests, once replayed
+    # the prompt tokens of every run since the page opened (or the lesson restarted) by cause: the lesson's end
+    tally: Tally = field(default_factory=Tally)
     seen_at: float = field(default_factory=time.monotonic)
+
+    def forget_shown(self) -> None:
+        """A lesson step or scenario loads: no view keeps the last run (badges, token colouring, table, savings,
+        replay), and the view is live again. A run still streaming stops writing them (``visitor.shown`` is no
+        longer its own)."""
+        self.shown, self.recording, self.with_cache, self.without_cache = None, None, None, None
+        self.following, self.playback = True, None
 
 
 class Visitors:

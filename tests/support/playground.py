@@ -56,7 +56,7 @@ def playground(**engine_options: Any) -> Iterator[Playground]:
     runs = RunCallbacks(ctx)
     try:
         yield Playground(
-            ctx, runs, LiveCallbacks(ctx, runs), ReplayCallbacks(ctx), SetupCallbacks(ctx), SizingCallbacks(ctx)
+            ctx, runs, LiveCallbacks(ctx, runs), ReplayCallbacks(ctx), SetupCallbacks(ctx, runs), SizingCallbacks(ctx)
         )
     finally:
         engines.shutdown()

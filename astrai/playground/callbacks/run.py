@@ -97,6 +97,7 @@ class RunCallbacks:
     def __init__(self, ctx: Context):
         self.ctx = ctx
         self.ui = ctx.ui
+        self.streams: list[Any] = []  # the Run and Compare streams' events, once wired (a lesson step stops them)
 
     def run(self, values: dict[str, Any], request: gr.Request) -> Iterator[Update]:
         session = session_of(request)
@@ -163,7 +164,7 @@ class RunCallbacks:
                     eviction=eviction,
                 )
                 visitor.following, visitor.playback = True, None
-                visitor.shown = ShownRun(tuple(run.request_ids), tuple(batch.prompts), profile, caching=looks_up)
+                shown = visitor.shown = ShownRun(tuple(run.request_ids), tuple(batch.prompts), profile, looks_up)
                 try:
                     yield texts()
                     pacer = Pacer(ctx.runs.interval)
@@ -176,16 +177,19 @@ class RunCallbacks:
                     gr.Warning(str(exc))
                 finally:
                     run.close()  # Stop, a closed tab or an error: release the pages now
-                infos = run_infos(backend, visitor.shown)
+                infos = run_infos(backend, shown)
                 summary = text.run_summary(infos)
                 if caching and looks_up:
                     ctx.classroom.count_run(step, [(i.prompt_tokens, i.cached_tokens) for i in infos if i is not None])
+                whys = self._explain(backend, shown, set(ctx.visitors.requests_of(session)))
         except (ValueError, TypeError, BackendError) as exc:  # refused before anything ran
             raise gr.Error(str(exc)) from None
-        if caching:
-            visitor.with_cache, visitor.without_cache = summary, None
-        else:
-            visitor.without_cache = summary
+        visitor.tally = visitor.tally.add(whys)  # the lesson's end counts every run that ran to its end
+        if visitor.shown is shown:  # else the visitor loaded a step meanwhile: its savings start empty
+            if caching:
+                visitor.with_cache, visitor.without_cache = summary, None
+            else:
+                visitor.without_cache = summary
         yield texts()
 
     def no_details(self) -> Update:
@@ -310,7 +314,6 @@ class RunCallbacks:
         details_outputs = [*panels.badges, *panels.highlights, ui.cache.table]
         after_outputs = [*details_outputs, ui.replay.step, ui.replay.note, ui.replay.play_slow]
         after_outputs += [ui.cache.savings, ui.cache.savings_note]
-        streams = []
         for button, handler, api_name in ((buttons.run, self.run, "run"), (buttons.compare, self.compare, "compare")):
             inputs, fn = by_name(ui.run_fields(), handler)
             # a click first clears the last run's badges, token colouring and table, then streams the text alone
@@ -330,8 +333,8 @@ class RunCallbacks:
             # API clients call /after_run themselves once /run returns (the browser chains it): see tests/test_app.py
             visibility = {"api_name": "after_run"} if api_name == "run" else {"api_visibility": "private"}
             stream.then(self.after_run, None, after_outputs, **visibility, **AFTER_RUN, **QUIET)
-            streams.append(stream)
-        buttons.stop.click(fn=None, cancels=streams, api_name="stop").then(
+            self.streams.append(stream)
+        buttons.stop.click(fn=None, cancels=self.streams, api_name="stop").then(
             self.after_run, None, after_outputs, api_visibility="private", **AFTER_RUN, **QUIET
         )
         buttons.clear.click(self.clear_cache, api_name="clear_cache", concurrency_limit=4)

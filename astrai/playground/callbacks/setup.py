@@ -9,36 +9,73 @@ engine), unless they ticked "one pool shared with everyone", or the reserve for 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import gradio as gr
+from gradio.blocks import Block
 from gradio.components import Component
 
 from astrai.playground.backends.profiles import EngineSettings, Profile
 from astrai.playground.backends.protocol import BackendError, EngineLimitReached
 from astrai.playground.callbacks.context import QUIET, Context, Update, session_of
+from astrai.playground.callbacks.run import RunCallbacks
 from astrai.playground.scenarios import LESSON_PROFILES, SCENARIO_BY_NAME, Lesson
 from astrai.playground.ui.components import MAX_PANELS, by_name, fixed
+from astrai.playground.ui.layout import CAPTIONS
+from astrai.playground.views import causes
+
+SETTLE_MS = 3000  # how long a lesson page keeps its view in place while the step's updates land
+HIGHLIGHT_JS = """
+(note) => {
+  const ids = IDS;
+  for (const id of ids) { const e = document.getElementById(id); if (e) e.style.outline = ''; }
+  const m = /Lesson (\\d+)\\//.exec(note || '');
+  const view = m && document.getElementById(ids[m[1] - 1]);
+  if (!view) return;
+  view.style.outline = '3px solid #f59e0b';
+  const toggle = view.querySelector(':scope > .label-wrap');  // an accordion: opened
+  if (toggle && !toggle.classList.contains('open')) toggle.click();
+  if (!PLACE) return;
+  const bar = document.getElementById('lesson_bar');
+  const place = () => window.scrollBy(
+    {top: view.getBoundingClientRect().top - bar.getBoundingClientRect().bottom - 8, behavior: 'instant'});
+  window.__lessonSettling?.();
+  const moved = new ResizeObserver(place);  // called as it starts observing, then at each change of size
+  const done = new AbortController();
+  const shown = {page: +m[1], settling: true};
+  const stop = () => { moved.disconnect(); done.abort(); shown.settling = false; };
+  window.__lessonPage = shown;
+  window.__lessonSettling = stop;
+  moved.observe(document.querySelector('.gradio-container'));
+  for (const t of ['wheel', 'touchmove', 'keydown', 'mousedown'])
+    window.addEventListener(t, stop, {signal: done.signal, passive: true});
+  setTimeout(stop, SETTLE_MS);
+}
+"""
 
 
-def highlight_js(lesson: Lesson) -> str:
-    """Outline the view a lesson step talks about (an inline style: no stylesheet to ship). The step number is read
-    back from the note ("**Lesson 3/6: ...") because a gr.State never reaches the browser."""
-    return (
-        "(note) => { const ids = "
-        + json.dumps([step.look_at for step in lesson.steps])
-        + "; for (const id of ids) { const e = document.getElementById(id); if (e) e.style.outline = ''; }"
-        " const m = /Lesson (\\d+)\\//.exec(note || ''); const e = m && document.getElementById(ids[m[1] - 1]);"
-        " if (e) { e.style.outline = '3px solid #f59e0b'; e.scrollIntoView({block: 'nearest'}); } }"
-    )
+def highlight_js(lesson: Lesson, place: bool = True) -> str:
+    """Outline the view a lesson page talks about (an inline style) and keep its top just below the lesson's bar
+    (pinned to the top of the window: ``layout.PAGE_CSS``), so the note, its buttons and the view are in view together;
+    a view in a closed accordion opens it. The page number is read back from the note ("**Lesson 3/9: ...") because a
+    gr.State never reaches the browser.
+
+    The step's own updates land around the same time (the panels shown, the live view's charts drawn anew), moving
+    what is above the view: so the view is placed again at each change of the page's size for ``SETTLE_MS``, until
+    the visitor scrolls, clicks or types, or the next step's hook takes over (``window.__lessonPage`` says which page
+    was placed, and whether it still is being placed). ``place=False``: the outline alone (a fresh page stays at its
+    top)."""
+    values = {"IDS": json.dumps(lesson.look_at()), "PLACE": json.dumps(place), "SETTLE_MS": str(SETTLE_MS)}
+    return re.sub(r"\b(IDS|PLACE|SETTLE_MS)\b", lambda m: values[m.group(1)], HIGHLIGHT_JS)
 
 
 CUSTOM_NAME = "your own settings"
 
 
 class SetupCallbacks:
-    def __init__(self, ctx: Context):
-        self.ctx, self.ui = ctx, ctx.ui
+    def __init__(self, ctx: Context, runs: RunCallbacks):
+        self.ctx, self.ui, self.runs = ctx, ctx.ui, runs
         profiles = (ctx.engines.default, *LESSON_PROFILES, *(s.profile for s in ctx.lesson.scenarios))
         self.known = {p: p for p in profiles}
 
@@ -61,11 +98,46 @@ class SetupCallbacks:
         }
         prompts = scenario.prompts + [""] * (MAX_PANELS - len(scenario.prompts))
         update |= dict(zip(ui.panels.prompts, prompts, strict=True))
-        update |= dict.fromkeys(ui.panels.outputs, "")
         session = session_of(request)
         update |= self._move(session, scenario.profile, progress)
         self._start_clean(session)
-        return update
+        update |= self._clean_slate(session)
+        return update | self.panels_shown(len(scenario.prompts), emptied=True)  # at once: the view goes under them
+
+    def panels_shown(self, n: float, emptied: bool = False) -> Update:
+        """The first ``n`` panels shown, and their token boxes (a hidden panel's box takes no room either);
+        ``emptied``: the boxes emptied too (a scenario loaded: the clean slate)."""
+        panels = self.ui.panels
+        return {
+            **{column: gr.Column(visible=i < int(n)) for i, column in enumerate(panels.columns)},
+            **{
+                box: gr.HTML(None, visible=i < int(n)) if emptied else gr.HTML(visible=i < int(n))
+                for i, box in enumerate(panels.highlights)
+            },
+        }
+
+    def _clean_slate(self, session: str) -> Update:
+        """Every view of the last run emptied (its text, badges, token colouring, table, savings, replay, routing
+        comparison) and the view live again: a new step's prompts have not run, and nothing of the last step's stays
+        under them. (A failed event's "Error" marker goes with the step's progress: ``wire``.)"""
+        visitor = self.ctx.visitors.act(session)
+        visitor.forget_shown()
+        controls = self.ui.replay
+        return (
+            dict.fromkeys(self.ui.panels.outputs, "")
+            | self.runs.no_details()
+            | self.runs.savings(visitor)
+            | {
+                controls.step: gr.Slider(maximum=1, value=0),
+                controls.note: "",
+                controls.timer: gr.Timer(active=False),
+                controls.play_slow: gr.Button(variant="secondary"),
+                self.ui.cache.cursor: None,  # the live view draws everything anew, live
+                self.ui.cache.routing: None,
+                self.ui.cache.routing_note: CAPTIONS["routing"],
+                self.ui.setup.lesson_end: gr.Markdown(visible=False),
+            }
+        )
 
     def _start_clean(self, session: str) -> None:
         """A step on the visitor's own pool starts from an empty prefix cache: its text promises what a first visit
@@ -82,12 +154,33 @@ class SetupCallbacks:
         request: gr.Request,
         progress: gr.Progress = gr.Progress(),  # noqa: B008 - gradio injects it
     ) -> Update:
-        """Move through the guided lesson: load the step's scenario and say what to look at."""
-        steps = self.ctx.lesson.steps
-        i = min(max(int(index or 0) + delta, 0), len(steps) - 1)
-        step, setup = steps[i], self.ui.setup
-        update = self.load_scenario(step.scenario, request, progress)
-        return update | {setup.lesson_step: i, setup.scenario: step.scenario, setup.note: self.ctx.lesson.note(i)}
+        """Move through the guided lesson: load the step's scenario and say what to look at; past the last step, the
+        end (no scenario: the visitor's runs counted by cause)."""
+        lesson, setup = self.ctx.lesson, self.ui.setup
+        i = min(max(int(index or 0) + delta, 0), lesson.length - 1)
+        session = session_of(request)
+        if lesson.is_end(i):
+            seen = causes.what_you_saw(self.ctx.visitors.act(session).tally)
+            update = self._clean_slate(session) | {setup.lesson_end: gr.Markdown(seen, visible=True)}
+        else:
+            step = lesson.steps[i]
+            update = self.load_scenario(step.scenario, request, progress) | {setup.scenario: step.scenario}
+        return update | {
+            setup.lesson_step: i,
+            setup.note: lesson.note(i),
+            setup.lesson_prev: gr.Button(interactive=i > 0),
+            setup.lesson_next: gr.Button(interactive=not lesson.is_end(i)),
+            setup.restart: gr.Button(visible=lesson.is_end(i)),
+        }
+
+    def restart(
+        self,
+        request: gr.Request,
+        progress: gr.Progress = gr.Progress(),  # noqa: B008 - gradio injects it
+    ) -> Update:
+        """Restart lesson: its first step, and the end counts the runs from here."""
+        self.ctx.visitors.act(session_of(request)).tally = causes.Tally()
+        return self.lesson(0, 0, request, progress)
 
     def apply_settings(
         self,
@@ -196,11 +289,10 @@ class SetupCallbacks:
     def wire(self, demo: gr.Blocks) -> None:
         demo.unload(self.leave)
         ui, setup = self.ui, self.ui.setup
-        columns = ui.panels.columns
         ui.form.n_panels.change(
-            lambda k: {column: gr.Column(visible=i < int(k)) for i, column in enumerate(columns)},
+            self.panels_shown,
             ui.form.n_panels,
-            list(columns),
+            [*ui.panels.columns, *ui.panels.highlights],
             queue=False,
             api_visibility="private",
             **QUIET,
@@ -208,9 +300,17 @@ class SetupCallbacks:
         engine = setup.engine
         engine_outputs: list[Component] = [engine.model, engine.page_size, engine.n_pages, engine.max_batch_size]
         engine_outputs += [engine.prefix_caching, engine.dtype, engine.eviction, engine.status, ui.cache.cursor]
-        scenario_outputs: list[Component] = [setup.note, ui.form.shared_prefix, ui.form.n_panels, ui.form.max_tokens]
-        scenario_outputs += [ui.form.cache_namespace, *ui.panels.prompts, *ui.panels.outputs, *engine_outputs]
-        # builds are rare and short (the lesson's engines are built at start): they never block the chart timer
+        scenario_outputs: list[Block] = [setup.note, ui.form.shared_prefix, ui.form.n_panels, ui.form.max_tokens]
+        scenario_outputs += [ui.form.cache_namespace, *ui.panels.prompts, *ui.panels.outputs]
+        scenario_outputs += [*ui.panels.badges, *ui.panels.highlights, ui.cache.table, ui.cache.savings]
+        scenario_outputs += [ui.cache.savings_note, ui.replay.step, ui.replay.note, ui.replay.timer]
+        scenario_outputs += [ui.replay.play_slow, setup.lesson_end, ui.cache.routing, ui.cache.routing_note]
+        scenario_outputs += [*ui.panels.columns, *engine_outputs]  # the engine's status last (API clients read it)
+        # the components that show a failed event's "Error" (each event's progress shows on one of them): loading a
+        # step shows its progress on all of them, which clears any such marker the last step left
+        marked = [setup.note, ui.panels.outputs[0], ui.sizing.note, engine.status]
+        # builds are rare and short (the lesson's engines are built at start): they never block the chart timer; a
+        # run of the visitor's still streaming stops (its views are gone)
         setup.scenario.input(
             self.load_scenario,
             setup.scenario,
@@ -218,19 +318,33 @@ class SetupCallbacks:
             api_name="load_scenario",
             concurrency_limit=4,
             concurrency_id="setup",
-            show_progress_on=setup.note,
+            show_progress_on=marked,
+            cancels=self.runs.streams,
         )
-        for button, delta in ((setup.lesson_prev, -1), (setup.lesson_next, 1)):
+        lesson_outputs = [setup.lesson_step, setup.scenario, setup.lesson_prev, setup.lesson_next, setup.restart]
+        moves = [(setup.lesson_prev, fixed(self.lesson, delta=-1)), (setup.lesson_next, fixed(self.lesson, delta=1))]
+        for button, move in moves:
             button.click(
-                fixed(self.lesson, delta=delta),
+                move,
                 setup.lesson_step,
-                [setup.lesson_step, setup.scenario, *scenario_outputs],
+                [*lesson_outputs, *scenario_outputs],
                 api_visibility="private",
                 concurrency_limit=4,
                 concurrency_id="setup",
-                show_progress_on=setup.note,
+                show_progress_on=marked,
+                cancels=self.runs.streams,
             ).then(fn=None, inputs=setup.note, js=highlight_js(self.ctx.lesson))
-        demo.load(fn=None, inputs=setup.note, js=highlight_js(self.ctx.lesson))  # a fresh page: the first step outlined
+        setup.restart.click(
+            self.restart,
+            None,
+            [*lesson_outputs, *scenario_outputs],
+            api_visibility="private",
+            concurrency_limit=4,
+            concurrency_id="setup",
+            show_progress_on=marked,
+            cancels=self.runs.streams,
+        ).then(fn=None, inputs=setup.note, js=highlight_js(self.ctx.lesson))
+        demo.load(fn=None, inputs=setup.note, js=highlight_js(self.ctx.lesson, place=False))  # the first step outlined
         engine.shared_pools.input(
             self.share_pools,
             engine.shared_pools,

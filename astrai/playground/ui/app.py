@@ -38,7 +38,7 @@ def build_demo(engines: Engines, teacher_key: str | None = knobs.TEACHER_KEY) ->
         if teacher is not None:
             teacher.wire(demo)
         ReplayCallbacks(ctx).wire()
-        SetupCallbacks(ctx).wire(demo)
+        SetupCallbacks(ctx, runs).wire(demo)
         RoutingCallbacks(ctx, runs).wire()
         SizingCallbacks(ctx).wire(demo)
     demo.queue(max_size=knobs.QUEUE_SIZE, default_concurrency_limit=2)

@@ -115,7 +115,11 @@ class Setup:
     note: gr.Markdown
     lesson_prev: gr.Button
     lesson_next: gr.Button
-    lesson_step: gr.State  # the step shown, an index into the lesson's steps (the page opens on the first)
+    restart: gr.Button  # Restart lesson: shown at the lesson's end
+    lesson_end: (
+        gr.Markdown
+    )  # the lesson's end: the visitor's runs counted by cause, and the reasons a token is computed
+    lesson_step: gr.State  # the page shown, 0 .. ``Lesson.length`` - 1 (the steps, then the end; it opens on the first)
     engine: EngineForm
 
 

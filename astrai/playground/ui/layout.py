@@ -55,10 +55,21 @@ CAPTIONS = {
     "do better. *Your requests* replays the ones you ran here (at your engine's page size).",
 }
 INTRO = (
-    "### AstrAI playground: watch a KV cache reuse work\n"
-    "Prompts run as **one batch** through a paged KV cache; full pages are keyed by a chained hash of their tokens, "
-    "so prompts that start alike reuse them."
+    "**AstrAI playground: watch a KV cache reuse work.** Prompts run as **one batch** through a paged KV cache; "
+    "prompts that start alike reuse its pages."
 )
+# The lesson's bar stays at the top of the window, so a step's note and its buttons are in view beside whatever view
+# the step scrolls to (``callbacks/setup.py``'s ``highlight_js`` scrolls it just below the bar). Gradio's container
+# hides its overflow, which makes it the bar's scrolling box; "clip" clips the same without being one.
+PAGE_CSS = """
+.gradio-container { overflow: clip !important; }
+#lesson_bar { position: sticky; top: 0; z-index: 1000; background: var(--body-background-fill);
+  padding: 6px 0 2px; gap: 6px; border-bottom: 1px solid var(--border-color-primary); }
+#lesson_bar #scenario_note p { margin: 0; }
+#lesson_buttons button { white-space: nowrap; min-width: max-content; }
+#cache_namespace label { padding: 2px 8px; }
+#cache_namespace .wrap { gap: 4px; }
+"""
 
 
 def build_layout(default: Profile, model_choices: list[str], chooses_pools: bool, lesson: Lesson) -> Components:
@@ -68,51 +79,53 @@ def build_layout(default: Profile, model_choices: list[str], chooses_pools: bool
     routing = any(s.look_at == "routing" for s in lesson.steps)
     routing_button = gr.Button("Compare routing", variant="primary", elem_id="route_btn", render=False)
     gr.Markdown(INTRO)
+    with gr.Column(elem_id="lesson_bar"):  # pinned to the top of the window (PAGE_CSS): the step's note, its buttons
+        with gr.Row(equal_height=True, elem_id="lesson_buttons"):
+            lesson_prev = gr.Button("◀ Lesson", elem_id="lesson_prev", size="md", scale=0, interactive=False)
+            lesson_next = gr.Button("Lesson ▶", elem_id="lesson_next", size="md", scale=0)
+            buttons = RunButtons(
+                run=gr.Button("Run", variant="primary", elem_id="run_btn", size="md", scale=1),
+                stop=gr.Button("Stop", variant="stop", elem_id="stop_btn", size="md", scale=0),
+                follow_up=gr.Button("Follow-up turn", elem_id="follow_btn", size="md", scale=0),
+                compare=gr.Button("Compare with caching off", elem_id="compare_btn", size="md", scale=0),
+                clear=gr.Button("Clear cache", elem_id="clear_btn", size="md", scale=0),
+                routing=routing_button,
+            )
+            restart = gr.Button("Restart lesson", elem_id="lesson_restart", size="md", scale=0, visible=False)
+        note = gr.Markdown(lesson.note(0), elem_id="scenario_note")
+    lesson_end = gr.Markdown(elem_id=lesson.end.look_at, visible=False)  # the lesson's end: the visitor's runs
     with gr.Row(equal_height=False):
         with gr.Column(scale=3, min_width=640):
-            with gr.Row():
-                scenario = gr.Dropdown(
-                    [s.name for s in lesson.scenarios], value=first.name, label="Scenario", elem_id="scenario", scale=2
-                )
-                n_panels = gr.Slider(
-                    1, MAX_PANELS, value=len(first.prompts), step=1, label="Panels", elem_id="n_panels", scale=1
-                )
-                with gr.Column(scale=1, min_width=120):
-                    lesson_prev = gr.Button("◀ Lesson", size="sm", elem_id="lesson_prev")
-                    lesson_next = gr.Button("Lesson ▶", size="sm", elem_id="lesson_next")
-            with gr.Row():
-                buttons = RunButtons(
-                    run=gr.Button("Run", variant="primary", elem_id="run_btn", min_width=80),
-                    stop=gr.Button("Stop", variant="stop", elem_id="stop_btn", min_width=80),
-                    follow_up=gr.Button("Follow-up turn", elem_id="follow_btn", min_width=120),
-                    compare=gr.Button("Compare with caching off", elem_id="compare_btn", min_width=180),
-                    clear=gr.Button("Clear cache", elem_id="clear_btn", min_width=100),
-                    routing=routing_button,
-                )
             with gr.Row(equal_height=False):
-                shared_prefix = gr.Textbox(
-                    first.prefix,
-                    label="Shared prefix (a system prompt before every panel's prompt)",
-                    lines=1,
-                    max_lines=2,
-                    max_length=MAX_PROMPT_CHARS,
-                    elem_id="prefix",
-                    scale=3,
-                )
-                namespace = gr.Radio(
-                    [(words, name) for name, words in NAMESPACES.items()],
-                    value=first.namespace,
-                    label="Cached pages a run may hit",
-                    elem_id="cache_namespace",
-                    scale=2,
-                )
+                with gr.Column(scale=3):
+                    scenario = gr.Dropdown(
+                        [s.name for s in lesson.scenarios], value=first.name, label="Scenario", elem_id="scenario"
+                    )
+                    shared_prefix = gr.Textbox(
+                        first.prefix,
+                        label="Shared prefix (a system prompt before every panel's prompt)",
+                        lines=1,
+                        max_lines=2,
+                        max_length=MAX_PROMPT_CHARS,
+                        elem_id="prefix",
+                    )
+                with gr.Column(scale=2):
+                    namespace = gr.Radio(
+                        [(words, name) for name, words in NAMESPACES.items()],
+                        value=first.namespace,
+                        label="Cached pages a run may hit",
+                        elem_id="cache_namespace",
+                    )
+                    n_panels = gr.Slider(
+                        1, MAX_PANELS, value=len(first.prompts), step=1, label="Panels", elem_id="n_panels"
+                    )
             panels = _panels(first.prompts)
         with gr.Column(scale=2, min_width=420):
-            note = gr.Markdown(lesson.note(0), elem_id="scenario_note")  # beside the views it points at
             page_map = gr.Plot(elem_id="page_map", show_label=False)
             occupancy = gr.Plot(elem_id="plot_0", show_label=False)
             stats = gr.Markdown(elem_id="stats")
     replay = _replay_controls()
+    highlights = _highlights(len(first.prompts))  # the run's prompt tokens, near its panels
     with gr.Row(equal_height=False):
         with gr.Column():
             lru = gr.Plot(elem_id="plot_1", show_label=False)
@@ -135,7 +148,6 @@ def build_layout(default: Profile, model_choices: list[str], chooses_pools: bool
             routing_note = gr.Markdown(CAPTIONS["routing"], elem_id="routing_note")
     gr.Markdown(f"<small>{CAPTIONS['page_map']} {CAPTIONS['occupancy']}</small>")
     sizing_views = _sizing()
-    highlights = _highlights()
     with gr.Accordion("Sampling and options", open=False), gr.Row():
         max_tokens = gr.Slider(
             1, MAX_NEW_TOKENS, value=first.max_tokens, step=1, label="Max tokens", elem_id="max_tokens"
@@ -168,7 +180,7 @@ def build_layout(default: Profile, model_choices: list[str], chooses_pools: bool
             timer=gr.Timer(REFRESH_SECONDS),
         ),
         replay=replay,
-        setup=Setup(scenario, note, lesson_prev, lesson_next, gr.State(0), engine),
+        setup=Setup(scenario, note, lesson_prev, lesson_next, restart, lesson_end, gr.State(0), engine),
         sizing=sizing_views,
     )
 
@@ -196,9 +208,10 @@ def _sizing() -> SizingViews:
                 )
                 replay_mine = gr.Button("Replay my requests", size="sm", elem_id="sizing_mine")
                 note = gr.Markdown(elem_id="sizing_note")
-        table = gr.DataFrame(
-            headers=sizing.TABLE_COLUMNS, label="At that capacity", interactive=False, elem_id="sizing_table"
-        )
+    # below the view the lesson points at (``sizing``), so that view fits a laptop's window under the lesson's bar
+    table = gr.DataFrame(
+        headers=sizing.TABLE_COLUMNS, label="At that capacity", interactive=False, elem_id="sizing_table"
+    )
     return SizingViews(trace, capacity, replay_mine, chart, table, note)
 
 
@@ -220,8 +233,8 @@ def _panels(prompts: list[str]) -> Panels:
                 outputs.append(
                     gr.Textbox(
                         label=f"Panel {i + 1} output",
-                        lines=4,
-                        max_lines=4,
+                        lines=3,
+                        max_lines=3,
                         interactive=False,
                         autoscroll=True,
                         elem_id=f"out_{i}",
@@ -232,7 +245,7 @@ def _panels(prompts: list[str]) -> Panels:
     return Panels(tuple(columns), tuple(boxes), tuple(outputs), tuple(badges), ())
 
 
-def _highlights() -> tuple[gr.HTML, ...]:
+def _highlights(shown: int) -> tuple[gr.HTML, ...]:
     """Each panel's prompt tokens coloured by cause (``views/causes.py``); hover a run of tokens for why."""
     accordion = gr.Accordion(
         "Prompt tokens: why each was cached or computed (hover a run of tokens)", open=False, elem_id="tokens_accordion"
@@ -245,6 +258,7 @@ def _highlights() -> tuple[gr.HTML, ...]:
                 container=True,
                 elem_id=f"tokens_{i}",
                 min_height=0,
+                visible=i < shown,
             )
             for i in range(MAX_PANELS)
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import html
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from astrai.explain import Cause, Explanation, PageLife, Segment, Unknown
 
@@ -220,3 +220,72 @@ def token_html(
     return (
         f'<div class="causes"><div>{legend}</div><div style="line-height:1.7">{"".join(spans)}{more}</div>{note}</div>'
     )
+
+
+# The five reasons a prompt token is computed on an engine of the lesson, as the lesson's end says them (the other
+# causes are a visitor's or an operator's choices: a Clear cache, another namespace, caching off, another replica).
+COMPUTED_BECAUSE: dict[Cause, str] = {
+    Cause.NEW: "no page with these tokens after this prefix was ever stored: the first prompt to say it computes it",
+    Cause.EVICTED: "its page was stored, then evicted to make room for another request before this one looked",
+    Cause.DIVERGED: "a cached page after the same prefix differs from this one: a page is reused only whole, so from "
+    "the first different token on, its tokens are computed",
+    Cause.PARTIAL_PAGE: "after the prompt's last full page: only full pages are cached",
+    Cause.LAST_TOKEN: "the last prompt token is always computed, for the logits of the first output token",
+}
+
+
+@dataclass(frozen=True)
+class Tally:
+    """A visitor's runs, their prompt tokens counted by cause (each prompt's ``Explanation.counts``, summed)."""
+
+    runs: int = 0
+    prompts: int = 0  # whose causes were read
+    unexplained: int = 0  # prompts whose causes their engine could not say
+    counts: Mapping[Cause, int] = field(default_factory=dict)  # only the causes that occurred
+    recomputed: int = 0  # computed again after preemptions, counted apart (as the stats line counts re-admissions)
+
+    def add(self, run: Sequence[Explanation | None]) -> Tally:
+        """This tally and one more run (its prompts' explanations, None where there is none)."""
+        known = [why for why in run if why is not None]
+        counts = dict(self.counts)
+        for why in known:
+            for cause, count in why.counts.items():
+                if count:
+                    counts[cause] = counts.get(cause, 0) + count
+        recomputed = self.recomputed + sum(why.recomputed_tokens or 0 for why in known)
+        return Tally(
+            self.runs + 1, self.prompts + len(known), self.unexplained + len(run) - len(known), counts, recomputed
+        )
+
+
+def what_you_saw(seen: Tally) -> str:
+    """The lesson's end: the visitor's prompt tokens by cause (cached and the five reasons always, the other causes
+    where they occurred), then the five reasons."""
+    reasons = "\n".join(
+        f"{i}. **{CAUSES[cause][0]}**: {why}." for i, (cause, why) in enumerate(COMPUTED_BECAUSE.items(), start=1)
+    )
+    reasons = f"**The five reasons a prompt token is computed**\n\n{reasons}"
+    if not seen.runs:
+        return (
+            "You have run no batch to its end since you opened the page (or restarted the lesson): press **Restart "
+            f"lesson**, then Run at each step.\n\n{reasons}"
+        )
+    total = sum(seen.counts.values())
+    runs = f"{seen.runs} run{'s' * (seen.runs > 1)}"
+    lines = [
+        f"Every prompt token of your {runs} (Run and Compare) since you opened the page (or restarted the lesson), a "
+        f"stopped run not counted: {seen.prompts} prompts, **{total:,}** prompt tokens, each counted once, as its "
+        "prompt was first looked up.\n",
+        "| why | tokens | share |",
+        "|---|---:|---:|",
+    ]
+    for cause, (words, _) in CAUSES.items():
+        count = seen.counts.get(cause, 0)
+        if count or cause is Cause.CACHED or cause in COMPUTED_BECAUSE:
+            lines.append(f"| {words} | {count:,} | {count / total:.0%} |" if total else f"| {words} | 0 | – |")
+    notes = []
+    if seen.recomputed:
+        notes.append(f"{seen.recomputed:,} more were computed again after preemptions (counted apart).")
+    if seen.unexplained:
+        notes.append(f"{seen.unexplained} prompt(s) not counted: their engine could not say why (a server away).")
+    return "\n".join(lines) + ("\n\n" + " ".join(notes) if notes else "") + f"\n\n{reasons}"
