@@ -217,7 +217,7 @@ def test_what_caching_saved_counts_the_tokens_preemptions_made_it_compute_again(
     """48 prompt tokens computed where the engine ran 308 after 3 preemptions: recomputation is prefill work."""
     summary = views.run_summary([info(cached_tokens=0, prompt_tokens=48, preemptions=3, recomputed_tokens=260)])
     assert summary is not None and summary.computed_tokens == 308 and summary.recomputed_tokens == 260
-    note = views.savings_note(summary, None, small_model=True, bigger_model=False)
+    note = views.savings_note(summary, None, small_model=True)
     assert "**308** prefill tokens were computed for 48 prompt tokens" in note and "260 were computed again" in note
 
 

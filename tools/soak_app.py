@@ -290,6 +290,8 @@ class _Soak:
         for button in promises.presses(step):
             if made == budget:
                 break
+            if button == "replay_mine":  # the lab's replay of the visitor's requests: no run, nothing to soak
+                continue
             if button == "follow_up":  # the button's work is the page's own: no call
                 turns = follow_up_prompts(prefix, prompts, outputs[: len(prompts)])
                 if turns is None:

@@ -41,6 +41,8 @@ class ShownRun:
     prompts: tuple[str, ...]
     profile: Profile  # the engine it ran on (its request ids are that engine's)
     caching: bool = True  # its engine looked prompts up in a prefix cache (off: the badges say so, not "0 cached")
+    # a Compare's caching-off half carries its caching-on half: the badges and the table show both, each labelled
+    caching_on_half: ShownRun | None = None
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from gradio.components import Component
 from astrai.playground.backends.profiles import EngineSettings, Profile
 from astrai.playground.backends.protocol import BackendError, EngineLimitReached
 from astrai.playground.callbacks.context import QUIET, Context, Update, session_of
+from astrai.playground.callbacks.sizing import replay_button_of
 from astrai.playground.scenarios import LESSON_PROFILES, SCENARIO_BY_NAME, Lesson
 from astrai.playground.ui.components import MAX_PANELS, by_name, fixed
 
@@ -65,7 +66,7 @@ class SetupCallbacks:
         session = session_of(request)
         update |= self._move(session, scenario.profile, progress)
         self._start_clean(session)
-        return update
+        return update | replay_button_of(self.ctx, session)  # offered for the requests on the engine moved to
 
     def _start_clean(self, session: str) -> None:
         """A step on the visitor's own pool starts from an empty prefix cache: its text promises what a first visit
@@ -201,7 +202,8 @@ class SetupCallbacks:
         engine_outputs: list[Component] = [engine.model, engine.page_size, engine.n_pages, engine.max_batch_size]
         engine_outputs += [engine.prefix_caching, engine.dtype, engine.eviction, engine.status, ui.cache.cursor]
         scenario_outputs: list[Component] = [setup.note, ui.form.shared_prefix, ui.form.n_panels, ui.form.max_tokens]
-        scenario_outputs += [ui.form.cache_namespace, *ui.panels.prompts, *ui.panels.outputs, *engine_outputs]
+        scenario_outputs += [ui.form.cache_namespace, *ui.panels.prompts, *ui.panels.outputs, ui.sizing.replay_mine]
+        scenario_outputs += engine_outputs  # the engine's status last (API clients read it there)
         # builds are rare and short (the lesson's engines are built at start): they never block the chart timer
         setup.scenario.input(
             self.load_scenario,

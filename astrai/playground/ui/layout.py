@@ -186,15 +186,14 @@ def _sizing() -> SizingViews:
                 trace = gr.Radio(
                     [c.name for c in curves] + [sizing.MINE], value=first.name, label="Workload", elem_id="sizing_trace"
                 )
-                capacity = gr.Slider(
-                    first.capacities[0],
-                    first.capacities[-1],
+                capacity = gr.Radio(
+                    sizing.capacity_choices(first),
                     value=first.nearest(5859),
-                    step=1,
-                    label="Cache capacity (blocks): drag, and read what each policy serves there",
+                    label="Cache capacity in blocks, on a log scale: pick one, and read what each policy serves there",
                     elem_id="sizing_capacity",
                 )
-                replay_mine = gr.Button("Replay my requests", size="sm", elem_id="sizing_mine")
+                waiting = f"{sizing.REPLAY_MINE} ({sizing.not_yet(0)})"  # a new page's session has run nothing
+                replay_mine = gr.Button(waiting, size="sm", interactive=False, elem_id="sizing_mine")
                 note = gr.Markdown(elem_id="sizing_note")
         table = gr.DataFrame(
             headers=sizing.TABLE_COLUMNS, label="At that capacity", interactive=False, elem_id="sizing_table"
