@@ -356,7 +356,7 @@ def test_browser_laptop_screen_shows_panels_and_cache_together_then_replay_tree_
     page.click("#compare_btn")
     page.wait_for_function(
         "(() => { const p = document.querySelector('#savings .js-plotly-plot');"
-        " return p && p.data.filter(t => t.name === 'caching off').length === 2; })()",
+        " return p && p.data.filter(t => t.name === 'caching off').length === 1; })()",
         timeout=60000,
     )
     bars = {t["name"]: t["y"][0] for t in figure(page, "savings")["data"] if t["xaxis"] in (None, "x")}

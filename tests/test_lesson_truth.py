@@ -367,13 +367,32 @@ def test_lesson_step_two_has_prompts_of_full_pages_and_no_run_of_it_hits(pg):
 
 
 def test_after_a_run_the_slow_replay_is_offered(pg):
-    """Smaller things: a run ends in about a second, so nothing is watched live; Replay ▶ ¼× is offered at once."""
+    """Smaller things: a run ends in about a second, so nothing is watched live; Replay ▶ slow is offered at once."""
     session = "slowly"
     for _ in pg.runs.run(pg.fields(max_tokens=16), request(session)):
         pass
     update = pg.runs.after_run(request(session))
     assert update[pg.ctx.ui.replay.play_slow].variant == "primary"
-    assert "Replay ▶ ¼×" in update[pg.ctx.ui.replay.note]
+    assert "Replay ▶ slow" in update[pg.ctx.ui.replay.note]
+
+
+def test_the_slow_replay_holds_each_step_for_half_a_second(pg):
+    """Issue 43: ▶ ¼× played a quarter of the run's recorded time, and a run lasts about a second: 27 steps a second,
+    too fast to point at anything. ▶ slow plays ``SLOW_STEPS_PER_S`` steps a second, whatever their recorded times."""
+    session = "pointing"
+    run_to_the_end(pg, session, pg.fields(max_tokens=16))
+    pg.runs.after_run(request(session))
+    visitor = pg.ctx.visitors.peek(session)
+    assert visitor.recording is not None and len(visitor.recording.frames) > 6
+    pg.replays.play(0, True, request(session))
+    assert visitor.playback is not None
+    started = visitor.playback.wall_start - 2.0  # as if it had played for two seconds
+    visitor.playback = dataclasses.replace(visitor.playback, wall_start=started)
+    before = time.monotonic()
+    frame = pg.replays.tick(request(session))[pg.ctx.ui.replay.step]
+    after = time.monotonic()
+    pace = replay.SLOW_STEPS_PER_S
+    assert int((before - started) * pace) <= frame <= int((after - started) * pace), frame
 
 
 def test_the_lru_chart_keeps_evictions_off_the_pages_axis():

@@ -2,7 +2,7 @@
 
 Two browser contexts (two Gradio sessions) click through every step of the lesson (Lesson ▶, until the note says the
 last one: the steps are ``Lesson.for_deployment(0).steps``, so a new step is walked too) and then every scenario of
-the dropdown, pressing Run at each, and on the way Replay (◀ step, ▶ ¼×, the slider, step ▶, Live), Compare with
+the dropdown, pressing Run at each, and on the way Replay (◀ step, ▶ slow, the slider, step ▶, Live), Compare with
 caching off, Clear cache and Follow-up turn. At each stop visitor A arrives first, presses Clear cache and Run; while
 A's run streams, B moves on to the same stop and presses Clear cache too (refused: A is on that engine); then B runs.
 They take turns at doing all that the stop says (Run twice, Follow-up turn and Run, Compare) and checking the
@@ -44,9 +44,9 @@ import pytest
 from astrai.playground.backends.profiles import DEFAULT_PROFILE, Profile
 from astrai.playground.scenarios import FOLLOW_UP, SCENARIO_BY_NAME, Lesson, Scenario
 from astrai.playground.views.causes import TABLE_CAUSES
-from astrai.playground.views.text import MAX_HIGHLIGHT_TOKENS, TABLE_COLUMNS
+from astrai.playground.views.text import HALVES, MAX_HIGHLIGHT_TOKENS, TABLE_COLUMNS
 from tests.support.needs import NO_CHROMIUM
-from tests.support.page_reading import MapCells, StatsLine, View, Watch, poll, read
+from tests.support.page_reading import Badge, MapCells, StatsLine, View, Watch, poll, read
 from tests.support.playground import Playground, playground, request
 from tools.browser import CHROMIUM, open_visitors
 from tools.loadtest import launch_app
@@ -260,7 +260,7 @@ def _turn(v: Visitor, stop: Stop, first: RunResult, all_of_it: bool) -> list[tup
     looked_up = [r.looked_up for r in runs]
     if stop.compare:
         _start(v, "#compare_btn")
-        off = _finish(v, n, stop, caching=False)
+        off = _finish(v, n, stop, compared=True)
         looked_up.append(_check_savings(v, off))
     return looked_up
 
@@ -342,39 +342,60 @@ def _start(v: Visitor, button: str) -> None:
     v.page.click(button)
 
 
-def _finish(v: Visitor, n: int, stop: Stop, caching: bool = True) -> RunResult:
-    """Wait for the run's end, then check that each panel's badge, table row and coloured tokens agree."""
-    _wait(v, FINISHED_JS, n, RUN_TIMEOUT_MS, f"the run's end at {stop.title}")
-    view = read(v.page)
-    raw = view.raw
-    badges = view.badges(n)
-    assert all(badge is not None and badge.ended for badge in badges), raw["badges"]
+def _finish(v: Visitor, n: int, stop: Stop, compared: bool = False) -> RunResult:
+    """Wait for the run's end, then check that each panel's badge, table row and coloured tokens agree. After a
+    Compare (``compared``) each badge and the table tell both halves, labelled: each half is checked, the coloured
+    tokens against the caching-on half; returns the caching-off half (the run the replay shows)."""
+    halves = HALVES if compared else ("",)
+    _wait(v, FINISHED_JS, n * len(halves), RUN_TIMEOUT_MS, f"the run's end at {stop.title}")
+    raw = read(v.page).raw
     assert all(text == "" for text in raw["badges"][n:]), f"badges of hidden panels: {raw['badges']}"
-    rows = sorted(raw["table"], key=lambda row: int(row[0]))
-    assert [int(row[0]) for row in rows] == list(range(1, n + 1)), rows
-    for i, (badge, row, tokens) in enumerate(zip(badges, rows, raw["tokens"], strict=False)):
-        where = f"{v.name}, {stop.title}, panel {i + 1}"
-        assert (badge.cached is None) == (not caching), (where, raw["badges"][i])
-        assert int(row[3]) == badge.prompt and row[4] == ("off" if badge.cached is None else str(badge.cached)), (
-            where,
-            row,
-            raw["badges"][i],
-        )
-        generated = TABLE_COLUMNS.index("generated")
-        assert 0 < int(row[generated]) <= int(raw["max_tokens"]), (where, "generated", row)
-        by_cause = [int(cell) for cell in row[4 : 4 + len(TABLE_CAUSES)] if cell.isdigit()]
-        assert sum(by_cause[1:]) + (badge.cached or 0) == badge.prompt, (where, "the causes add up to the prompt", row)
-        shown = min(badge.prompt, MAX_HIGHLIGHT_TOKENS)
-        cached_shown = min(badge.cached or 0, MAX_HIGHLIGHT_TOKENS)
-        assert tokens is not None and (tokens["total"], tokens["cached"]) == (shown, cached_shown), (
-            f"{where}: the prompt tokens show {tokens} (cached + computed), the badge {raw['badges'][i]!r}"
-        )
-        assert tokens["titled"], f"{where}: every run of tokens says why when hovered"
+    for half in halves:
+        said = [_half_of(text, half) for text in raw["badges"][:n]]
+        badges = [Badge.parse(text) for text in said]
+        assert all(badge is not None and badge.ended for badge in badges), raw["badges"]
+        labels = [f"{i} ({half})" if half else str(i) for i in range(1, n + 1)]
+        rows = [next((row for row in raw["table"] if row[0] == label), None) for label in labels]
+        assert None not in rows, (labels, raw["table"])
+        caching = half != HALVES[1]
+        for i, (badge, row) in enumerate(zip(badges, rows, strict=True)):
+            where = f"{v.name}, {stop.title}, panel {i + 1} {half}"
+            assert (badge.cached is None) == (not caching), (where, said[i])
+            assert int(row[3]) == badge.prompt and row[4] == ("off" if badge.cached is None else str(badge.cached)), (
+                where,
+                row,
+                said[i],
+            )
+            generated = TABLE_COLUMNS.index("generated")
+            assert 0 < int(row[generated]) <= int(raw["max_tokens"]), (where, "generated", row)
+            computed = [int(cell) for cell in row[5 : 4 + len(TABLE_CAUSES)] if cell.isdigit()]  # after "cached"
+            assert sum(computed) + (badge.cached or 0) == badge.prompt, (
+                where,
+                "the causes add up to the prompt",
+                row,
+            )
+            if not caching:
+                continue
+            tokens = raw["tokens"][i]  # the caching-on half's colouring, after a Compare
+            shown = min(badge.prompt, MAX_HIGHLIGHT_TOKENS)
+            cached_shown = min(badge.cached or 0, MAX_HIGHLIGHT_TOKENS)
+            assert tokens is not None and (tokens["total"], tokens["cached"]) == (shown, cached_shown), (
+                f"{where}: the prompt tokens show {tokens} (cached + computed), the badge {said[i]!r}"
+            )
+            assert tokens["titled"], f"{where}: every run of tokens says why when hovered"
     assert all(t is None or t["total"] == 0 for t in raw["tokens"][n:]), raw["tokens"]
     texts = raw["outputs"][:n]
     assert all(texts), f"{v.name}: every panel streamed text: {texts}"
     v.last = RunResult(badges, texts)
     return v.last
+
+
+def _half_of(badge: str, half: str) -> str:
+    """The part of a badge that tells one half of a Compare ("Caching on: ..."); the whole badge for a plain run."""
+    if not half:
+        return badge
+    label = f"{half.capitalize()}:"
+    return next((line.removeprefix(label) for line in badge.splitlines() if line.startswith(label)), "")
 
 
 def _follow_up(v: Visitor, run: RunResult, n: int) -> None:
@@ -415,7 +436,7 @@ NOTE_JS = "t => (document.getElementById('replay_note')?.innerText || '').includ
 
 
 def _replay_end_is_live(v: Visitor, run: RunResult, n: int) -> None:
-    """Right after the run (its engine quiet): ◀ step, then ▶ ¼× plays to the last frame; that frame shows the
+    """Right after the run (its engine quiet): ◀ step, then ▶ slow plays to the last frame; that frame shows the
     run's text and, cell for cell, the page map the live view shows after Live."""
     raw = read(v.page).raw
     frames = raw["replay_max"]
@@ -424,7 +445,7 @@ def _replay_end_is_live(v: Visitor, run: RunResult, n: int) -> None:
     v.page.click("#replay_back")
     _wait(v, NOTE_JS, f"Replay · step {frames - 1} of {frames} of your run", VIEW_TIMEOUT_MS, "◀ step")
     v.page.click("#replay_slow")
-    _wait(v, NOTE_JS, f"Replay · step {frames} of {frames} of your run", VIEW_TIMEOUT_MS, "▶ ¼× to the end")
+    _wait(v, NOTE_JS, f"Replay · step {frames} of {frames} of your run", VIEW_TIMEOUT_MS, "▶ slow to the end")
     engine_step = re.search(r"of your run \(engine step (\d+)\)", read(v.page).raw["replay_note"]).group(1)
 
     def last_frame_drawn(view: View) -> list[str]:

@@ -182,7 +182,7 @@ def test_why_did_it_miss_shows_what_its_lesson_step_says():
     assert promise_of(9, seen, page_size=s.page_size) == []
     size = s.page_size
     first, second, third, fourth = ([(seg.cause, seg.start, seg.end) for seg in w.segments] for w in whys)
-    assert second[0] == (Cause.DIVERGED, 0, size) and whys[1].segments[0].divergence.at == 1, second  # after ⟨s⟩
+    assert second[0] == (Cause.DIVERGED, 0, size) and whys[1].segments[0].divergence.at == 1, second  # after <s>
     assert third[0][:2] == (Cause.CACHED, 0) and third[1][0] is Cause.EVICTED, third
     assert whys[2].segments[1].page.evicted_for == stream.request_ids[1], "evicted for panel 2's answer"
     assert fourth[:2] == [(Cause.CACHED, 0, size), (Cause.DIVERGED, size, 2 * size)], fourth

@@ -853,9 +853,9 @@ def read_replayed(outputs: tuple | list):
         raise ValueError(f"Replay my requests showed no table: {str(outputs)[:160]!r}")
     served = table["headers"].index("prompt tokens served")
     policies = {name: policy for policy, name in POLICY_NAMES.items()}
-    return Replayed(
-        int(outputs[-1]), {policies[row[0]]: int(str(row[served]).replace(",", "")) for row in table["data"]}
-    )
+    capacity = outputs[-1]  # the control's new choices come as an update: {"value": ..., "choices": ...}
+    capacity = capacity.get("value") if isinstance(capacity, dict) else capacity
+    return Replayed(int(capacity), {policies[row[0]]: int(str(row[served]).replace(",", "")) for row in table["data"]})
 
 
 def read_computed(note: str) -> tuple[int, int]:

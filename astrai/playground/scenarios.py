@@ -263,7 +263,8 @@ LESSON = [
         "Shared system prompt",
         "page_map",
         "Press Run. Panel 1 computes the prefix pages; panels 2–4 are admitted in the same step and share them "
-        "(x-marked cells in the page map), so their badges show 32 or more cached tokens in the very first run.",
+        "(x-marked cells in the page map, while the run lasts: press ▶ slow to replay it step by step), so their "
+        "badges show 32 or more cached tokens in the very first run.",
     ),
     LessonStep(
         "2. Nothing shared, nothing hit",
@@ -314,10 +315,11 @@ LESSON = [
         WHY.name,
         "tokens_accordion",
         "Press Run and open 'Prompt tokens'. Panel 1's tokens are new. Panel 2's first page diverges from panel "
-        "1's after its first token (every prompt starts with ⟨s⟩), the rest is new. Panel 3 repeats panel 1's prompt: "
-        "its first pages are still cached, but the page after them was evicted to make room for panel 2's answer "
-        "(red; hover for the step). Panel 4 shares panel 1's first page and diverges in its second. Whatever follows a "
-        "prompt's last full page is computed (a partial page), and so is its last token, always.",
+        "1's after its first token (every prompt starts with the start-of-text token, written `<s>`), the rest is "
+        "new. Panel 3 repeats panel 1's prompt: its first pages are still cached, but the page after them was "
+        "evicted to make room for panel 2's answer (red; hover for the step). Panel 4 shares panel 1's first page and "
+        "diverges in its second. Whatever follows a prompt's last full page is computed (a partial page), and so is "
+        "its last token, always.",
     ),
 ]
 

@@ -47,11 +47,13 @@ class ShownRun:
 
 @dataclass(frozen=True)
 class Playback:
-    """A replay playing: its speed, and where and when it started."""
+    """A replay playing: its speed (a share of the recorded time), or a fixed pace of steps a second whatever the
+    steps' recorded times; and where and when it started."""
 
     speed: float
     wall_start: float  # time.monotonic() at the start
     start_index: int
+    steps_per_s: float | None = None  # set: the pace, and ``speed`` is not used
 
 
 @dataclass

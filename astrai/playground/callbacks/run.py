@@ -289,7 +289,8 @@ class RunCallbacks:
         notes = eviction_notes(ctx, backend, recording, session_of(request)) if recording and backend else None
         note = replay.narrate(recording, frames, notes) if recording else ""
         if frames > 1:
-            note = f"{note}  \n**Replay ▶ ¼×** plays your run's {frames} steps slowly, one at a time."
+            pace = f"{replay.SLOW_STEPS_PER_S:g} a second: {frames / replay.SLOW_STEPS_PER_S:.0f} s"
+            note = f"{note}  \n**Replay ▶ slow** plays your run's {frames} steps one at a time, {pace}."
         slow = gr.Button(variant="primary" if frames > 1 else "secondary")
         return update | {controls.note: note, controls.play_slow: slow} | replay_button_of(ctx, session_of(request))
 

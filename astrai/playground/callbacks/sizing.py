@@ -126,7 +126,7 @@ class SizingCallbacks:
     def wire(self, demo: gr.Blocks) -> None:
         views = self.ui.sizing
         outputs = [views.chart, views.table, views.note, views.capacity]
-        for trigger in (views.trace.change, views.capacity.input):
+        for trigger in (views.trace.input, views.capacity.input):  # a visitor's choice, not a replay's update
             trigger(self.show, [views.trace, views.capacity], outputs, api_visibility="private", **QUIET)
         views.replay_mine.click(
             self.replay_mine,

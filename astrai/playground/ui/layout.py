@@ -244,6 +244,7 @@ def _highlights() -> tuple[gr.HTML, ...]:
                 container=True,
                 elem_id=f"tokens_{i}",
                 min_height=0,
+                padding=True,  # the legend's chips start below the label, not under it (they were clipped in half)
             )
             for i in range(MAX_PANELS)
         )
@@ -254,7 +255,7 @@ def _replay_controls() -> ReplayControls:
         step = gr.Slider(0, 1, value=0, step=1, label="Replay: step of your last run", elem_id="replay_step", scale=4)
         back = gr.Button("◀ step", elem_id="replay_back", min_width=70, size="sm", scale=0)
         play_1x = gr.Button("▶ 1×", elem_id="replay_play", min_width=60, size="sm", scale=0)
-        play_slow = gr.Button("▶ ¼×", elem_id="replay_slow", min_width=60, size="sm", scale=0)
+        play_slow = gr.Button("▶ slow", elem_id="replay_slow", min_width=70, size="sm", scale=0)
         pause = gr.Button("❚❚", elem_id="replay_pause", min_width=50, size="sm", scale=0)
         forward = gr.Button("step ▶", elem_id="replay_fwd", min_width=70, size="sm", scale=0)
         live = gr.Button("Live", elem_id="replay_live", min_width=60, size="sm", scale=0)

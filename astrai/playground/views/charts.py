@@ -130,6 +130,10 @@ def hit_rate_chart(data: Series) -> go.Figure:
 
 
 MIN_ROWS = 4
+# At most this many columns: the default pool's 2,048 pages made 79, cells of 5 px on a laptop, and step 1's shared
+# pages were marks too small to see. Only the rows up to the last busy page are drawn, so a pool of thousands of
+# pages still fits (its cells shrink only as a class fills hundreds of rows).
+MAX_COLS = 32
 PAGE_MAP_HEIGHT = 250
 CACHED_SHADES = ["#dbeafe", "#bfdbfe", "#93c5fd", "#60a5fa", "#3b82f6", "#2563eb", "#1d4ed8", "#1e3a8a"]
 PALETTE = [FREE_COLOR, OTHER_COLOR, EVICTED_COLOR, *PANEL_COLORS, *CACHED_SHADES]
@@ -205,7 +209,7 @@ def page_grid(
     """Rows past the last non-free page are left out (a pool hands out its lowest free page first, so the used
     range is packed at the top)."""
     n = len(pages)
-    cols = cols or max(8, math.ceil(math.sqrt(n * 3)))
+    cols = cols or min(MAX_COLS, max(8, math.ceil(math.sqrt(n * 3))))
     busy = [p.page for p in pages if p.state != "free" or p.just_evicted]
     rows = max(1, min(math.ceil(n / cols), max(MIN_ROWS, (max(busy, default=0) // cols) + 2)))
     pages = [p for p in pages if p.page < rows * cols]
@@ -310,7 +314,7 @@ def prefix_tree(tree: Tree, panel_label: Callable[[int], str], height: int = 300
     if tree.focused is not None:
         title += f"; {tree.focused} of them your last run's, {tree.others} gathered as others"
     if tree.evicted:
-        title += f", {tree.evicted} just evicted"
+        title += f"; {tree.evicted} more just evicted (red)"
     fig.update_layout(
         height=height,
         margin=dict(l=5, r=5, t=32, b=5),

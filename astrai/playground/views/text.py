@@ -12,7 +12,9 @@ from astrai.playground.backends.protocol import EngineView
 from astrai.playground.views import causes
 
 MAX_HIGHLIGHT_TOKENS = 300
-SPECIAL_TOKEN_TEXT = "⟨s⟩"
+# How a special token (the start-of-text token every prompt begins with) is written: "<s>", as SentencePiece names the
+# start token; "⟨s⟩" read as "(s)" in the page's font. Every view escapes it (it is text, never markup).
+SPECIAL_TOKEN_TEXT = "<s>"
 # then one column per cause of ``causes.TABLE_CAUSES`` (the first, "cached", is the engine's own cached tokens),
 # the tokens recomputed after preemptions (counted apart), and the run's figures
 TABLE_COLUMNS = [
