@@ -302,7 +302,7 @@ def test_step_8_shows_lru_and_arc_side_by_side_on_the_visitors_own_requests(pg):
     assert backend is not None and pg.ctx.visitors.peek(session).profile.owner
     run_to_the_end(pg, session, fields)
     run = seen_run(pg, pg.runs.after_run(request(session)), len(POLICY.prompts))
-    shown = pg.sizing.replay_mine(None, request(session), no_progress)
+    shown = pg.sizing.replay_mine(request(session), no_progress)
     sizing_views = pg.ctx.ui.sizing
     table = {"headers": sizing.TABLE_COLUMNS, "data": shown[sizing_views.table]}
     replayed = read_replayed([table, shown[sizing_views.capacity].value])
@@ -320,7 +320,7 @@ def test_replay_my_requests_is_offered_only_once_the_requests_fill_pages_and_nev
     run_to_the_end(pg, session, pg.fields(n_panels=1, prompt_1="Tom had a red ball", shared_prefix="", max_tokens=4))
     after = pg.runs.after_run(request(session))
     assert not after[button].interactive and "fill 0 full pages" in after[button].value
-    pressed = pg.sizing.replay_mine(None, request(session), no_progress)  # raised gr.Error before
+    pressed = pg.sizing.replay_mine(request(session), no_progress)  # raised gr.Error before
     assert "a replay needs 2" in pressed[pg.ctx.ui.sizing.note] and not pressed[button].interactive
     run_to_the_end(pg, session, scenario_fields(pg, EVICTION.name, max_tokens=4))
     assert pg.runs.after_run(request(session))[button].interactive

@@ -5,10 +5,10 @@ last one: the steps are ``Lesson.for_deployment(0).steps``, so a new step is wal
 the dropdown, pressing Run at each, and on the way Replay (◀ step, ▶ slow, the slider, step ▶, Live), Compare with
 caching off, Clear cache and Follow-up turn. At each stop visitor A arrives first, presses Clear cache and Run; while
 A's run streams, B moves on to the same stop and presses Clear cache too (refused: A is on that engine); then B runs.
-They take turns at doing all that the stop says (Run twice, Follow-up turn and Run, Compare) and checking the
-replay's last frame against the live view, while the other replays around its last run as the first one's run
-streams. So at every stop one visitor runs while the other moves or replays, both on the same engine. About 3.5
-minutes on 2 busy cores (the app's start apart): short answers, except on the small pool, which they must fill. On
+They take turns at doing all that the stop says (Run twice, Follow-up turn and Run, Compare, Replay my requests) and
+checking the replay's last frame against the live view, while the other replays around its last run as the first
+one's run streams. So at every stop one visitor runs while the other moves or replays, both on the same engine. About
+4 minutes on 2 busy cores (the app's start apart): short answers, except on the small pool, which they must fill. On
 the lesson's small-pool stops each visitor is on a pool of their own: there B's Clear cache is done, and each one's
 view counts only their own runs.
 
@@ -26,7 +26,8 @@ What is checked:
 - the replay's last frame is the live page map, cell for cell, with the run's text; back to Live the panels show the
   run's text again;
 - Clear cache: refused (a warning) while the other visitor is on the engine; where accepted, it freed as many pages
-  as were cached and the views say 0 cached; Compare's chart and note agree with each other and with the badges.
+  as were cached and the views say 0 cached; Compare's chart and note agree with each other and with the badges,
+  and each badge and the table tell both halves, labelled; Replay my requests answers at the pool's size.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ class Stop:
     runs: int  # presses of Run before anything else
     follow_up: bool  # then Follow-up turn, and Run again
     compare: bool  # then Compare with caching off
+    replay_mine: bool = False  # then Replay my requests (the lab, on the visitor's requests)
 
     @property
     def title(self) -> str:
@@ -95,7 +97,8 @@ class Stop:
 
 
 def _stop(scenario: Scenario, lesson_step: int | None, says: str) -> Stop:
-    return Stop(scenario, lesson_step, 2 if "Run twice" in says else 1, "Follow-up" in says, "Compare with" in says)
+    runs = 2 if "Run twice" in says else 1
+    return Stop(scenario, lesson_step, runs, "Follow-up" in says, "Compare with" in says, "Replay my requests" in says)
 
 
 STOPS = [_stop(SCENARIO_BY_NAME[s.scenario], i, s.text) for i, s in enumerate(LESSON.steps)]
@@ -137,7 +140,7 @@ def walk_app() -> Iterator[tuple[str, Path]]:
 
 
 @pytest.mark.browser
-@pytest.mark.timeout(600)  # about 3 minutes on 2 busy cores, plus the app's start (a first one compiles the model)
+@pytest.mark.timeout(720)  # about 4 minutes on 2 busy cores, plus the app's start (a first one compiles the model)
 def test_browser_two_visitors_walk_every_lesson_step_and_scenario(walk_app):
     from gradio_client import Client
 
@@ -262,6 +265,8 @@ def _turn(v: Visitor, stop: Stop, first: RunResult, all_of_it: bool) -> list[tup
         _start(v, "#compare_btn")
         off = _finish(v, n, stop, compared=True)
         looked_up.append(_check_savings(v, off))
+    if stop.replay_mine:
+        _replay_mine(v, stop)
     return looked_up
 
 
@@ -424,11 +429,21 @@ def _check_savings(v: Visitor, off: RunResult) -> tuple[int, int]:
     assert on and without, note
     computed, prompt, served = map(int, on.groups())
     assert computed == prompt - served + (int(again.group(1)) if again else 0), note
-    bars = {t["name"]: t["y"][0] for t in view.raw["plots"]["savings"]["traces"] if t["xaxis"] in (None, "x")}
+    bars = {t["name"]: t["y"][0] for t in view.raw["plots"]["savings"]["traces"]}  # one chart: prefill tokens
     assert bars == {"caching on": computed, "caching off": int(without.group(1))}, (bars, note)
     assert sum(b.prompt for b in off.badges) == prompt, "both halves ran the same prompts"
     assert int(without.group(1)) >= prompt, "without a cache, every prompt token is computed"
     return prompt, served
+
+
+def _replay_mine(v: Visitor, stop: Stop) -> None:
+    """Replay my requests, offered once the run filled pages: the lab's table of every policy at the visitor's pool's
+    size (a press must raise no error: the Workload choice it changes once asked again with a stale capacity)."""
+    pool = stop.scenario.profile.settings.n_pages
+    v.page.wait_for_selector("#sizing_mine:not([disabled])", timeout=VIEW_TIMEOUT_MS)
+    v.page.click("#sizing_mine")
+    note = "n => (document.getElementById('sizing_note')?.innerText || '').startsWith(`${n} blocks`)"
+    _wait(v, note, pool, VIEW_TIMEOUT_MS, "Replay my requests' answer at the pool's size")
 
 
 # ----- replay -----------------------------------------------------------------------------------------------------

@@ -890,8 +890,8 @@ class Student:
         return _call(self.client, self.call_timeout, api_name="/cache_stats")
 
     def replay_mine(self) -> tuple:
-        """Replay my requests, as the button does (the capacity control's value is not used)."""
-        return tuple(_call(self.client, self.call_timeout, None, api_name="/replay_my_requests"))
+        """Replay my requests, as the button does."""
+        return tuple(_call(self.client, self.call_timeout, api_name="/replay_my_requests"))
 
     def leave(self) -> None:
         """Close the tab: the session's heartbeat stops, as a browser's does (tools/soak_app.py's visitors leave)."""

@@ -236,10 +236,11 @@ def policy_claim() -> str:
     settings = POLICY.profile.settings
     system = SYSTEM_PROMPT_PAGES * settings.page_size
     return (
-        f"Press Run, then Replay my requests. Six requests run one at a time in a {settings.n_pages}-page pool of your "
-        "own that evicts the least recently used page (LRU): panels 1, 2 and 6 open with the same "
-        f"{SYSTEM_PROMPT_PAGES}-page system prompt, panels 3-5 are one-off stories passing through. Panel 2 finds the "
-        f"system prompt cached ({system} cached); by panel 6 the stories have pushed it out ({system} evicted). "
+        "Press Run, then Replay my requests (in 'How big should the cache be?'). Six requests run one at a time in a "
+        f"{settings.n_pages}-page pool of your own that evicts the least recently used page (LRU): panels 1, 2 and 6 "
+        f"open with the same {SYSTEM_PROMPT_PAGES}-page system prompt, panels 3-5 are one-off stories passing "
+        f"through. Panel 2 finds the system prompt cached ({system} cached); by panel 6 the stories have pushed it out "
+        f"({system} evicted). "
         "Replay my requests runs your requests again through each eviction policy, side by side in the table: at "
         f"your pool's {settings.n_pages} blocks LRU serves {system} prompt tokens and ARC {2 * system}. ARC keeps the "
         "pages asked for twice apart from pages seen once, so a pass of one-off stories cannot flush them."

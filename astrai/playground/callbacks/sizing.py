@@ -78,14 +78,12 @@ class SizingCallbacks:
 
     def replay_mine(
         self,
-        capacity: float | None,
         request: gr.Request,
         progress: gr.Progress = gr.Progress(),  # noqa: B008 - gradio injects it
     ) -> Update:
         """The visitor's ended requests on their engine, as a trace at its page size, through every policy at a
         few capacities up to what they fill (a few hundred blocks at most: each replay takes milliseconds), and at
-        their pool's size, which is shown first. ``capacity`` (the control's) is not used: the shipped curves' would
-        mean nothing here."""
+        their pool's size, which is shown first."""
         session = session_of(request)
         visitor = self.ctx.visitors.act(session)
         trace, pool = own_requests(self.ctx, session)
@@ -130,7 +128,7 @@ class SizingCallbacks:
             trigger(self.show, [views.trace, views.capacity], outputs, api_visibility="private", **QUIET)
         views.replay_mine.click(
             self.replay_mine,
-            [views.capacity],
+            None,
             [views.trace, views.replay_mine, *outputs],
             api_name="replay_my_requests",
             concurrency_limit=2,
