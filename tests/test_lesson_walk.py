@@ -56,8 +56,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
 LESSON = Lesson.for_deployment(routers=0)
 SHORT_MAX_TOKENS = 16  # where a scenario's point does not need long answers
-# On the small pool: 6 answers of 96 tokens need 7 pages each, more than its 40 pages hold, so a run still evicts and
-# preempts (at the scenario's 160, the two small-pool stops took half the walk)
+# On the small pool: 6 prompts with answers of 96 tokens need 11 pages each, more than its 40 pages hold, so a run
+# evicts and preempts (at the scenario's 160, the two small-pool stops took half the walk)
 SMALL_POOL_MAX_TOKENS = 96
 RUN_TIMEOUT_MS = 120_000  # a run of six long panels on the small pool, on two busy cores
 VIEW_TIMEOUT_MS = 30_000
