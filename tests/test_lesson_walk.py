@@ -194,7 +194,9 @@ def _walk(stop: Stop, a: Visitor, b: Visitor, default_engine: Any, a_does_all: b
     client = default_engine if profile == DEFAULT_PROFILE else None
     n = len(stop.scenario.prompts)
     _arrive(a, stop)
-    before = _settle(a, client, stop)
+    # a step on one's own pool empties it on arrival: wait for the view to show it (steps 8 and 9 share a pool, so the
+    # stats line before the arrival already names it)
+    before = _settle(a, client, stop, _emptied if own else lambda stats: [])
     before = _clear(a, b, before, client, stop)
     _set_max_tokens(a, stop.max_tokens)
     _start(a, "#run_btn")
@@ -204,7 +206,7 @@ def _walk(stop: Stop, a: Visitor, b: Visitor, default_engine: Any, a_does_all: b
     cleared = _press_clear(b)
     if own:  # nobody else is on B's own pool: its Clear is done, whatever A runs
         assert cleared["kind"] == "info", (stop.title, cleared)
-        before_b = _settle(b, client, stop, lambda stats: [] if stats.cached == 0 else [f"{stats.cached} cached"])
+        before_b = _settle(b, client, stop, _emptied)
     else:
         assert cleared["kind"] == "warning" and "Other visitors" in cleared["text"], (stop.title, cleared)
     looked_up = _turn(a, stop, _finish(a, n, stop), all_of_it=a_does_all)
@@ -227,6 +229,10 @@ def _walk(stop: Stop, a: Visitor, b: Visitor, default_engine: Any, a_does_all: b
     if profile != DEFAULT_PROFILE:  # the small pool, with the shorter answers: still under pressure
         assert after.evictions > before.evictions, (stop.title, before, after)
     return after
+
+
+def _emptied(stats: StatsLine) -> list[str]:
+    return [] if stats.cached == 0 else [f"{stats.cached} cached"]
 
 
 def _counts_the_runs(before: StatsLine, looked_up: list[tuple[int, int]]) -> Callable[[StatsLine], list[str]]:
@@ -570,7 +576,7 @@ def _clear(a: Visitor, b: Visitor, before: StatsLine, client: Any, stop: Stop) -
         return before
     freed = re.fullmatch(r"Prefix cache cleared: (\d+) cached pages are free again\.", toast["text"])
     assert freed and int(freed.group(1)) == before.cached, (toast, before)
-    after = _settle(a, client, stop, lambda stats: [] if stats.cached == 0 else [f"{stats.cached} cached"])
+    after = _settle(a, client, stop, _emptied)
     assert after.free == before.free + before.cached, (before, after)
     return after
 
