@@ -4,6 +4,7 @@ runs of tokens with their hover text, the badge's line and the table's columns."
 from __future__ import annotations
 
 import re
+from html import escape as html_escape
 
 from astrai.explain import Cause, Divergence, Explanation, PageLife, Segment
 from astrai.playground.views import causes
@@ -66,7 +67,9 @@ def test_every_run_of_tokens_is_coloured_by_its_cause_and_says_why():
     assert "stored by another session at step 3, evicted at step 41 to make room for panel 1 of this run" in hovers[1]
     assert "the next to go of 12 cached pages" in hovers[1]
     assert "differs from its token 2 on" in hovers[2] and "only full pages are cached" in hovers[3]
-    assert "⏎" in html and views.SPECIAL_TOKEN_TEXT in html, "a newline and a special token are drawn"
+    # issue 43: the hover showed raw token ids ("yours cached: [9, 9, 9]"); it shows their text, as the tokens read
+    assert "(yours cached: “&lt;9&gt;&lt;9&gt;&lt;9&gt;”; this prompt: “&lt;2&gt;&lt;3&gt;&lt;4&gt;”)" in hovers[2]
+    assert "⏎" in html and html_escape(views.SPECIAL_TOKEN_TEXT) in html, "a newline and a special token are drawn"
 
 
 def test_the_cap_counts_the_tokens_shown_and_the_legend_counts_all():

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from astrai.playground.scenarios import Lesson
-from astrai.playground.teaching import QUESTIONS, plain_title
+from astrai.playground.teaching import QUESTIONS
 from tests.support.needs import NO_CHROMIUM
 from tools import handout
 
@@ -26,7 +26,7 @@ def test_readmes_step_list_is_what_the_lesson_writes_now():
         "README's list of the lesson's steps differs from the lesson's definitions: run python -m tools.handout"
     )
     for number, step in enumerate(handout.lesson_steps(), start=1):  # every step, in order, under its number
-        assert f"\n{number}. **{plain_title(step)}**" in readme
+        assert f"\n{number}. **{step.title}**" in readme
 
 
 def test_every_step_has_one_question_and_no_question_is_left_over():

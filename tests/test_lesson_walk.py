@@ -2,13 +2,13 @@
 
 Two browser contexts (two Gradio sessions) click through every step of the lesson (Lesson ▶, until the note says the
 last one: the steps are ``Lesson.for_deployment(0).steps``, so a new step is walked too) and then every scenario of
-the dropdown, pressing Run at each, and on the way Replay (◀ step, ▶ ¼×, the slider, step ▶, Live), Compare with
+the dropdown, pressing Run at each, and on the way Replay (◀ step, ▶ slow, the slider, step ▶, Live), Compare with
 caching off, Clear cache and Follow-up turn. At each stop visitor A arrives first, presses Clear cache and Run; while
 A's run streams, B moves on to the same stop and presses Clear cache too (refused: A is on that engine); then B runs.
-They take turns at doing all that the stop says (Run twice, Follow-up turn and Run, Compare) and checking the
-replay's last frame against the live view, while the other replays around its last run as the first one's run
-streams. So at every stop one visitor runs while the other moves or replays, both on the same engine. About 3.5
-minutes on 2 busy cores (the app's start apart): short answers, except on the small pool, which they must fill. On
+They take turns at doing all that the stop says (Run twice, Follow-up turn and Run, Compare, Replay my requests) and
+checking the replay's last frame against the live view, while the other replays around its last run as the first
+one's run streams. So at every stop one visitor runs while the other moves or replays, both on the same engine. About
+4 minutes on 2 busy cores (the app's start apart): short answers, except on the small pool, which they must fill. On
 the lesson's small-pool stops each visitor is on a pool of their own: there B's Clear cache is done, and each one's
 view counts only their own runs.
 
@@ -26,7 +26,8 @@ What is checked:
 - the replay's last frame is the live page map, cell for cell, with the run's text; back to Live the panels show the
   run's text again;
 - Clear cache: refused (a warning) while the other visitor is on the engine; where accepted, it freed as many pages
-  as were cached and the views say 0 cached; Compare's chart and note agree with each other and with the badges.
+  as were cached and the views say 0 cached; Compare's chart and note agree with each other and with the badges,
+  and each badge and the table tell both halves, labelled; Replay my requests answers at the pool's size.
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ import pytest
 from astrai.playground.backends.profiles import DEFAULT_PROFILE, Profile
 from astrai.playground.scenarios import FOLLOW_UP, SCENARIO_BY_NAME, Lesson, Scenario
 from astrai.playground.views.causes import TABLE_CAUSES
-from astrai.playground.views.text import MAX_HIGHLIGHT_TOKENS, TABLE_COLUMNS
+from astrai.playground.views.text import HALVES, MAX_HIGHLIGHT_TOKENS, TABLE_COLUMNS
 from tests.support.needs import NO_CHROMIUM
-from tests.support.page_reading import MapCells, StatsLine, View, Watch, poll, read
+from tests.support.page_reading import Badge, MapCells, StatsLine, View, Watch, poll, read
 from tests.support.playground import Playground, playground, request
 from tools.browser import CHROMIUM, open_visitors
 from tools.loadtest import launch_app
@@ -55,8 +56,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
 LESSON = Lesson.for_deployment(routers=0)
 SHORT_MAX_TOKENS = 16  # where a scenario's point does not need long answers
-# On the small pool: 6 answers of 96 tokens need 7 pages each, more than its 40 pages hold, so a run still evicts and
-# preempts (at the scenario's 160, the two small-pool stops took half the walk)
+# On the small pool: 6 prompts with answers of 96 tokens need 11 pages each, more than its 40 pages hold, so a run
+# evicts and preempts (at the scenario's 160, the two small-pool stops took half the walk)
 SMALL_POOL_MAX_TOKENS = 96
 RUN_TIMEOUT_MS = 120_000  # a run of six long panels on the small pool, on two busy cores
 VIEW_TIMEOUT_MS = 30_000
@@ -73,6 +74,7 @@ class Stop:
     runs: int  # presses of Run before anything else
     follow_up: bool  # then Follow-up turn, and Run again
     compare: bool  # then Compare with caching off
+    replay_mine: bool = False  # then Replay my requests (the lab, on the visitor's requests)
 
     @property
     def title(self) -> str:
@@ -95,7 +97,8 @@ class Stop:
 
 
 def _stop(scenario: Scenario, lesson_step: int | None, says: str) -> Stop:
-    return Stop(scenario, lesson_step, 2 if "Run twice" in says else 1, "Follow-up" in says, "Compare with" in says)
+    runs = 2 if "Run twice" in says else 1
+    return Stop(scenario, lesson_step, runs, "Follow-up" in says, "Compare with" in says, "Replay my requests" in says)
 
 
 STOPS = [_stop(SCENARIO_BY_NAME[s.scenario], i, s.text) for i, s in enumerate(LESSON.steps)]
@@ -137,7 +140,7 @@ def walk_app() -> Iterator[tuple[str, Path]]:
 
 
 @pytest.mark.browser
-@pytest.mark.timeout(600)  # about 3 minutes on 2 busy cores, plus the app's start (a first one compiles the model)
+@pytest.mark.timeout(720)  # about 4 minutes on 2 busy cores, plus the app's start (a first one compiles the model)
 def test_browser_two_visitors_walk_every_lesson_step_and_scenario(walk_app):
     from gradio_client import Client
 
@@ -191,7 +194,9 @@ def _walk(stop: Stop, a: Visitor, b: Visitor, default_engine: Any, a_does_all: b
     client = default_engine if profile == DEFAULT_PROFILE else None
     n = len(stop.scenario.prompts)
     _arrive(a, stop)
-    before = _settle(a, client, stop)
+    # a step on one's own pool empties it on arrival: wait for the view to show it (steps 8 and 9 share a pool, so the
+    # stats line before the arrival already names it)
+    before = _settle(a, client, stop, _emptied if own else lambda stats: [])
     before = _clear(a, b, before, client, stop)
     _set_max_tokens(a, stop.max_tokens)
     _start(a, "#run_btn")
@@ -201,7 +206,7 @@ def _walk(stop: Stop, a: Visitor, b: Visitor, default_engine: Any, a_does_all: b
     cleared = _press_clear(b)
     if own:  # nobody else is on B's own pool: its Clear is done, whatever A runs
         assert cleared["kind"] == "info", (stop.title, cleared)
-        before_b = _settle(b, client, stop, lambda stats: [] if stats.cached == 0 else [f"{stats.cached} cached"])
+        before_b = _settle(b, client, stop, _emptied)
     else:
         assert cleared["kind"] == "warning" and "Other visitors" in cleared["text"], (stop.title, cleared)
     looked_up = _turn(a, stop, _finish(a, n, stop), all_of_it=a_does_all)
@@ -224,6 +229,10 @@ def _walk(stop: Stop, a: Visitor, b: Visitor, default_engine: Any, a_does_all: b
     if profile != DEFAULT_PROFILE:  # the small pool, with the shorter answers: still under pressure
         assert after.evictions > before.evictions, (stop.title, before, after)
     return after
+
+
+def _emptied(stats: StatsLine) -> list[str]:
+    return [] if stats.cached == 0 else [f"{stats.cached} cached"]
 
 
 def _counts_the_runs(before: StatsLine, looked_up: list[tuple[int, int]]) -> Callable[[StatsLine], list[str]]:
@@ -260,8 +269,10 @@ def _turn(v: Visitor, stop: Stop, first: RunResult, all_of_it: bool) -> list[tup
     looked_up = [r.looked_up for r in runs]
     if stop.compare:
         _start(v, "#compare_btn")
-        off = _finish(v, n, stop, caching=False)
+        off = _finish(v, n, stop, compared=True)
         looked_up.append(_check_savings(v, off))
+    if stop.replay_mine:
+        _replay_mine(v, stop)
     return looked_up
 
 
@@ -342,39 +353,60 @@ def _start(v: Visitor, button: str) -> None:
     v.page.click(button)
 
 
-def _finish(v: Visitor, n: int, stop: Stop, caching: bool = True) -> RunResult:
-    """Wait for the run's end, then check that each panel's badge, table row and coloured tokens agree."""
-    _wait(v, FINISHED_JS, n, RUN_TIMEOUT_MS, f"the run's end at {stop.title}")
-    view = read(v.page)
-    raw = view.raw
-    badges = view.badges(n)
-    assert all(badge is not None and badge.ended for badge in badges), raw["badges"]
+def _finish(v: Visitor, n: int, stop: Stop, compared: bool = False) -> RunResult:
+    """Wait for the run's end, then check that each panel's badge, table row and coloured tokens agree. After a
+    Compare (``compared``) each badge and the table tell both halves, labelled: each half is checked, the coloured
+    tokens against the caching-on half; returns the caching-off half (the run the replay shows)."""
+    halves = HALVES if compared else ("",)
+    _wait(v, FINISHED_JS, n * len(halves), RUN_TIMEOUT_MS, f"the run's end at {stop.title}")
+    raw = read(v.page).raw
     assert all(text == "" for text in raw["badges"][n:]), f"badges of hidden panels: {raw['badges']}"
-    rows = sorted(raw["table"], key=lambda row: int(row[0]))
-    assert [int(row[0]) for row in rows] == list(range(1, n + 1)), rows
-    for i, (badge, row, tokens) in enumerate(zip(badges, rows, raw["tokens"], strict=False)):
-        where = f"{v.name}, {stop.title}, panel {i + 1}"
-        assert (badge.cached is None) == (not caching), (where, raw["badges"][i])
-        assert int(row[3]) == badge.prompt and row[4] == ("off" if badge.cached is None else str(badge.cached)), (
-            where,
-            row,
-            raw["badges"][i],
-        )
-        generated = TABLE_COLUMNS.index("generated")
-        assert 0 < int(row[generated]) <= int(raw["max_tokens"]), (where, "generated", row)
-        by_cause = [int(cell) for cell in row[4 : 4 + len(TABLE_CAUSES)] if cell.isdigit()]
-        assert sum(by_cause[1:]) + (badge.cached or 0) == badge.prompt, (where, "the causes add up to the prompt", row)
-        shown = min(badge.prompt, MAX_HIGHLIGHT_TOKENS)
-        cached_shown = min(badge.cached or 0, MAX_HIGHLIGHT_TOKENS)
-        assert tokens is not None and (tokens["total"], tokens["cached"]) == (shown, cached_shown), (
-            f"{where}: the prompt tokens show {tokens} (cached + computed), the badge {raw['badges'][i]!r}"
-        )
-        assert tokens["titled"], f"{where}: every run of tokens says why when hovered"
+    for half in halves:
+        said = [_half_of(text, half) for text in raw["badges"][:n]]
+        badges = [Badge.parse(text) for text in said]
+        assert all(badge is not None and badge.ended for badge in badges), raw["badges"]
+        labels = [f"{i} ({half})" if half else str(i) for i in range(1, n + 1)]
+        rows = [next((row for row in raw["table"] if row[0] == label), None) for label in labels]
+        assert None not in rows, (labels, raw["table"])
+        caching = half != HALVES[1]
+        for i, (badge, row) in enumerate(zip(badges, rows, strict=True)):
+            where = f"{v.name}, {stop.title}, panel {i + 1} {half}"
+            assert (badge.cached is None) == (not caching), (where, said[i])
+            assert int(row[3]) == badge.prompt and row[4] == ("off" if badge.cached is None else str(badge.cached)), (
+                where,
+                row,
+                said[i],
+            )
+            generated = TABLE_COLUMNS.index("generated")
+            assert 0 < int(row[generated]) <= int(raw["max_tokens"]), (where, "generated", row)
+            computed = [int(cell) for cell in row[5 : 4 + len(TABLE_CAUSES)] if cell.isdigit()]  # after "cached"
+            assert sum(computed) + (badge.cached or 0) == badge.prompt, (
+                where,
+                "the causes add up to the prompt",
+                row,
+            )
+            if not caching:
+                continue
+            tokens = raw["tokens"][i]  # the caching-on half's colouring, after a Compare
+            shown = min(badge.prompt, MAX_HIGHLIGHT_TOKENS)
+            cached_shown = min(badge.cached or 0, MAX_HIGHLIGHT_TOKENS)
+            assert tokens is not None and (tokens["total"], tokens["cached"]) == (shown, cached_shown), (
+                f"{where}: the prompt tokens show {tokens} (cached + computed), the badge {said[i]!r}"
+            )
+            assert tokens["titled"], f"{where}: every run of tokens says why when hovered"
     assert all(t is None or t["total"] == 0 for t in raw["tokens"][n:]), raw["tokens"]
     texts = raw["outputs"][:n]
     assert all(texts), f"{v.name}: every panel streamed text: {texts}"
     v.last = RunResult(badges, texts)
     return v.last
+
+
+def _half_of(badge: str, half: str) -> str:
+    """The part of a badge that tells one half of a Compare ("Caching on: ..."); the whole badge for a plain run."""
+    if not half:
+        return badge
+    label = f"{half.capitalize()}:"
+    return next((line.removeprefix(label) for line in badge.splitlines() if line.startswith(label)), "")
 
 
 def _follow_up(v: Visitor, run: RunResult, n: int) -> None:
@@ -403,11 +435,21 @@ def _check_savings(v: Visitor, off: RunResult) -> tuple[int, int]:
     assert on and without, note
     computed, prompt, served = map(int, on.groups())
     assert computed == prompt - served + (int(again.group(1)) if again else 0), note
-    bars = {t["name"]: t["y"][0] for t in view.raw["plots"]["savings"]["traces"] if t["xaxis"] in (None, "x")}
+    bars = {t["name"]: t["y"][0] for t in view.raw["plots"]["savings"]["traces"]}  # one chart: prefill tokens
     assert bars == {"caching on": computed, "caching off": int(without.group(1))}, (bars, note)
     assert sum(b.prompt for b in off.badges) == prompt, "both halves ran the same prompts"
     assert int(without.group(1)) >= prompt, "without a cache, every prompt token is computed"
     return prompt, served
+
+
+def _replay_mine(v: Visitor, stop: Stop) -> None:
+    """Replay my requests, offered once the run filled pages: the lab's table of every policy at the visitor's pool's
+    size (a press must raise no error: the Workload choice it changes once asked again with a stale capacity)."""
+    pool = stop.scenario.profile.settings.n_pages
+    v.page.wait_for_selector("#sizing_mine:not([disabled])", timeout=VIEW_TIMEOUT_MS)
+    v.page.click("#sizing_mine")
+    note = "n => (document.getElementById('sizing_note')?.innerText || '').startsWith(`${n} blocks`)"
+    _wait(v, note, pool, VIEW_TIMEOUT_MS, "Replay my requests' answer at the pool's size")
 
 
 # ----- replay -----------------------------------------------------------------------------------------------------
@@ -415,7 +457,7 @@ NOTE_JS = "t => (document.getElementById('replay_note')?.innerText || '').includ
 
 
 def _replay_end_is_live(v: Visitor, run: RunResult, n: int) -> None:
-    """Right after the run (its engine quiet): ◀ step, then ▶ ¼× plays to the last frame; that frame shows the
+    """Right after the run (its engine quiet): ◀ step, then ▶ slow plays to the last frame; that frame shows the
     run's text and, cell for cell, the page map the live view shows after Live."""
     raw = read(v.page).raw
     frames = raw["replay_max"]
@@ -424,7 +466,7 @@ def _replay_end_is_live(v: Visitor, run: RunResult, n: int) -> None:
     v.page.click("#replay_back")
     _wait(v, NOTE_JS, f"Replay · step {frames - 1} of {frames} of your run", VIEW_TIMEOUT_MS, "◀ step")
     v.page.click("#replay_slow")
-    _wait(v, NOTE_JS, f"Replay · step {frames} of {frames} of your run", VIEW_TIMEOUT_MS, "▶ ¼× to the end")
+    _wait(v, NOTE_JS, f"Replay · step {frames} of {frames} of your run", VIEW_TIMEOUT_MS, "▶ slow to the end")
     engine_step = re.search(r"of your run \(engine step (\d+)\)", read(v.page).raw["replay_note"]).group(1)
 
     def last_frame_drawn(view: View) -> list[str]:
@@ -534,7 +576,7 @@ def _clear(a: Visitor, b: Visitor, before: StatsLine, client: Any, stop: Stop) -
         return before
     freed = re.fullmatch(r"Prefix cache cleared: (\d+) cached pages are free again\.", toast["text"])
     assert freed and int(freed.group(1)) == before.cached, (toast, before)
-    after = _settle(a, client, stop, lambda stats: [] if stats.cached == 0 else [f"{stats.cached} cached"])
+    after = _settle(a, client, stop, _emptied)
     assert after.free == before.free + before.cached, (before, after)
     return after
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from astrai.playground.scenarios import LESSON, SCENARIO_BY_NAME
 from tools.loadtest import SPREAD_WEIGHTS, launch_app, run_load, run_lockstep, start_app
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
@@ -49,14 +50,17 @@ def test_a_full_queue_answers_busy_at_once_instead_of_hanging():
 
 
 def test_a_class_in_lockstep_reads_each_steps_promise_off_its_own_badges():
-    """Three students through lesson steps 1 and 8 in lockstep: each press streams, and each student's badges and
-    request table are read against the step's promise (step 1: panels 2-4 hit the prefix; step 8: each panel's
-    cause counts, exactly), with the report's figures per step and the app's memory after."""
+    """Three students through lesson steps 1, 8 and 9 in lockstep: each press streams, and each student's badges,
+    request table and Replay my requests' table are read against the step's promise (step 1: panels 2-4 hit the
+    prefix; step 8: the LRU pool evicts the system prompt, and the replay has ARC serve it twice to LRU's once;
+    step 9: each panel's cause counts, exactly), with the report's figures per step and the app's memory after."""
     ARTIFACTS.mkdir(exist_ok=True)
+    steps = [0, 7, 8]
     with start_app(log_path=ARTIFACTS / "lockstep-app.log") as app:
-        report = run_lockstep(app.url, clients=3, steps=[0, 7], app_pid=app.pid)  # timeouts: a busy machine is slow
-    assert [(s.step, s.round, s.presses) for s in report.steps] == [(1, 0, ("run",)), (8, 0, ("run",))]
-    for step in report.steps:
+        report = run_lockstep(app.url, clients=3, steps=steps, app_pid=app.pid)  # timeouts: a busy machine is slow
+    presses = [(1, 0, ("run",)), (8, 0, ("run", "replay_mine")), (9, 0, ("run",))]
+    assert [(s.step, s.round, s.presses) for s in report.steps] == presses
+    for index, step in zip(steps, report.steps, strict=True):
         summary = step.summary()
         assert summary["errors"] == 0, summary["error_messages"]
         assert summary["promise"] == {"kept": 3}, summary["broken"]
@@ -64,8 +68,9 @@ def test_a_class_in_lockstep_reads_each_steps_promise_off_its_own_badges():
         assert all(len(s.ttft) == len(s.run_s) == len(s.cached) == 1 for s in step.students)
         assert 0 < summary["ttft_p50"] <= summary["ttft_p95"] <= summary["ttft_max"] <= summary["run_max"], summary
         assert step.seconds > 0 and "engine" in step.engine
-        assert all(len(s.cached[0]) == 4 and None not in s.cached[0] for s in step.students), "badges read"
+        panels = len(SCENARIO_BY_NAME[LESSON[index].scenario].prompts)
+        assert all(len(s.cached[0]) == panels and None not in s.cached[0] for s in step.students), "badges read"
     assert report.memory_kb["after"] > 0 and report.memory_kb["peak"] >= report.memory_kb["after"], report.memory_kb
     lines = report.lines()
     assert any(line.startswith("1. A shared system prompt") and line.endswith("3/3") for line in lines), lines
-    assert json.loads(json.dumps(report.as_json()))["steps"][1]["promise"] == {"kept": 3}
+    assert [s["promise"] for s in json.loads(json.dumps(report.as_json()))["steps"]] == [{"kept": 3}] * 3

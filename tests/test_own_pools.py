@@ -12,7 +12,7 @@ from tests.support.playground import Playground, no_progress, playground, reques
 
 EVICTION = SCENARIO_BY_NAME["Eviction pressure (small pool)"]
 STEP_3 = next(i for i, step in enumerate(LESSON) if step.scenario == EVICTION.name)
-MAX_TOKENS = 96  # six answers of 96 tokens need 7 pages each, more than the 40 pages hold: the run evicts
+MAX_TOKENS = 96  # six prompts and answers of 96 tokens need 11 pages each, more than the 40 pages hold: it evicts
 
 
 def fields(pg: Playground) -> dict[str, object]:

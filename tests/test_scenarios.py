@@ -7,10 +7,20 @@ from pathlib import Path
 import pytest
 
 from astrai import InferenceEngine
+from astrai.lab.record import from_requests
+from astrai.lab.replay import Replay
 from astrai.playground import promises
-from astrai.playground.backends.profiles import EMBEDDED_MODEL
-from astrai.playground.promises import Panel, Seen
-from astrai.playground.scenarios import FOLLOW_UP, LESSON, SCENARIO_BY_NAME
+from astrai.playground.backends.profiles import EMBEDDED_MODEL, Profile
+from astrai.playground.promises import Panel, Replayed, Seen
+from astrai.playground.scenarios import (
+    EVICTION_OPENING_PAGES,
+    FARM,
+    FOLLOW_UP,
+    LESSON,
+    POLICY,
+    SCENARIO_BY_NAME,
+    SYSTEM_PROMPT_PAGES,
+)
 
 
 @pytest.fixture(scope="module")
@@ -56,17 +66,71 @@ def test_shared_system_prompt_hits_in_the_first_run(engine):
     assert promise_of(1, panels(engine, [scenario.prefix + p for p in scenario.prompts], max_tokens=2)) == []
 
 
-def test_eviction_pressure_evicts_and_preempts():
+def small_engine(profile: Profile, eviction: str = "lru") -> InferenceEngine:
+    """An engine of a lesson step's pool settings, under ``eviction``."""
+    s = profile.settings
+    return InferenceEngine.from_pretrained(
+        EMBEDDED_MODEL,
+        page_size=s.page_size,
+        n_pages=s.n_pages,
+        max_batch_size=s.max_batch_size,
+        eviction=eviction,
+        compile=False,
+    )
+
+
+def test_the_eviction_prompts_share_an_opening_of_whole_pages_then_fill_pages_of_their_own(engine):
+    """Step 3's second run can hit only the opening, and can miss only pages of a panel's own: the opening is
+    exactly ``EVICTION_OPENING_PAGES`` full pages (with the start token), then every prompt differs and fills two
+    full pages of its own."""
     scenario = SCENARIO_BY_NAME["Eviction pressure (small pool)"]
-    s = scenario.profile.settings
-    with InferenceEngine.from_pretrained(
-        EMBEDDED_MODEL, page_size=s.page_size, n_pages=s.n_pages, max_batch_size=s.max_batch_size, compile=False
-    ) as engine:
-        for _ in range(2):
-            engine.generate(scenario.prompts, max_tokens=scenario.max_tokens)
+    size = scenario.profile.settings.page_size
+    opening = EVICTION_OPENING_PAGES * size
+    ids = [engine.tokenizer(scenario.prefix + p).input_ids for p in scenario.prompts]
+    assert all(i[:opening] == ids[0][:opening] for i in ids)
+    assert len({tuple(i[opening : opening + 1]) for i in ids}) == len(ids), "each differs from the opening's end on"
+    assert all(len(i) > opening + 2 * size for i in ids), [len(i) for i in ids]
+
+
+def test_eviction_costs_hits_in_the_second_run():
+    """Step 3 on its pool's settings: the first run evicts and preempts; in the second every panel hits the opening
+    and some panel misses pages of its own that were evicted (the table's "evicted" column)."""
+    scenario = SCENARIO_BY_NAME["Eviction pressure (small pool)"]
+    prompts = [scenario.prefix + p for p in scenario.prompts]
+    with small_engine(scenario.profile) as engine:
+        runs = [panels(engine, prompts, max_tokens=scenario.max_tokens, cache_salt="mine") for _ in range(2)]
         stats = engine.cache_stats()
-    assert promise_of(3, evictions=stats.evictions) == []
+    assert promise_of(3, *runs, evictions=stats.evictions) == []
     assert stats.preemptions > 0 and stats.used_pages == 0
+
+
+def test_lru_evicts_the_system_prompt_that_arc_keeps_on_the_engine_and_in_the_lab(engine):
+    """Step 8's workload on its pool's settings: under LRU panel 6 finds the system prompt evicted, under ARC it
+    hits it; Replay my requests (the lab, on the LRU engine's requests) serves it once under LRU and twice under ARC
+    at the pool's size, and so the step's promise, as a visitor reads it, is kept."""
+    size, pool = POLICY.profile.settings.page_size, POLICY.profile.settings.n_pages
+    system = SYSTEM_PROMPT_PAGES * size
+    ids = [engine.tokenizer(p).input_ids for p in POLICY.prompts]
+    farm = [i for i, prompt in enumerate(POLICY.prompts) if prompt.startswith(FARM)]
+    assert farm == [0, 1, 5] and all(ids[i][:system] == ids[0][:system] for i in farm)
+    assert all(len(i) < (SYSTEM_PROMPT_PAGES + 1) * size for i in ids), "no prompt fills a page past the system's"
+    assert len({tuple(i[1:size]) for i in ids[2:5]} | {tuple(ids[0][1:size])}) == 4, "the stories share no page"
+    by_policy = {}
+    for eviction in ("lru", "arc"):
+        with small_engine(POLICY.profile, eviction) as pool_engine:
+            stream = pool_engine.generate(POLICY.prompts, max_tokens=POLICY.max_tokens, stream=True, cache_salt="a")
+            list(stream)
+            infos = pool_engine.request_info(stream.request_ids)
+            whys = pool_engine.explain(stream.request_ids)
+        by_policy[eviction] = tuple(
+            Panel(i.prompt_tokens, i.cached_tokens, w.counts) for i, w in zip(infos, whys, strict=True)
+        )
+        if eviction == "lru":
+            trace = from_requests(infos, size)
+    assert by_policy["arc"][-1].cached_tokens == system, "on an ARC pool panel 6 hits the system prompt"
+    prepared = Replay(trace)
+    served = {policy: prepared.run(policy, pool).hit_tokens for policy in ("lru", "arc")}
+    assert promise_of(8, by_policy["lru"], replayed=Replayed(pool, served)) == []
 
 
 def test_distinct_prompts_hit_nothing(engine):
@@ -94,18 +158,18 @@ def test_caching_off_computes_every_prompt_token_and_on_computes_fewer(engine):
 
 
 def test_every_lesson_step_loads_a_scenario_and_names_a_view():
-    assert len(LESSON) == 8 and all(step.scenario in SCENARIO_BY_NAME for step in LESSON)
+    assert len(LESSON) == 9 and all(step.scenario in SCENARIO_BY_NAME for step in LESSON)
     ui = (Path(__file__).parents[1] / "astrai" / "playground" / "ui" / "layout.py").read_text()
     assert all(f'elem_id="{step.look_at}"' in ui for step in LESSON)
 
 
 def test_why_did_it_miss_shows_what_its_lesson_step_says():
-    """Lesson step 8's text, cause by cause, on the scenario's own engine settings and a cold namespace: the counts
+    """Lesson step 9's text, cause by cause, on the scenario's own engine settings and a cold namespace: the counts
     (``promises.why_did_it_miss``, what a visitor's table shows), then the order and the hover texts they cannot."""
     from astrai.explain import Cause
     from astrai.playground.scenarios import WHY
 
-    assert LESSON[7].scenario == WHY.name
+    assert LESSON[8].scenario == WHY.name
     s = WHY.profile.settings
     with InferenceEngine.from_pretrained(
         EMBEDDED_MODEL, page_size=s.page_size, n_pages=s.n_pages, max_batch_size=s.max_batch_size, compile=False
@@ -115,10 +179,10 @@ def test_why_did_it_miss_shows_what_its_lesson_step_says():
         whys = engine.explain(stream.request_ids)
         infos = engine.request_info(stream.request_ids)
     seen = tuple(Panel(i.prompt_tokens, i.cached_tokens, w.counts) for i, w in zip(infos, whys, strict=True))
-    assert promise_of(8, seen, page_size=s.page_size) == []
+    assert promise_of(9, seen, page_size=s.page_size) == []
     size = s.page_size
     first, second, third, fourth = ([(seg.cause, seg.start, seg.end) for seg in w.segments] for w in whys)
-    assert second[0] == (Cause.DIVERGED, 0, size) and whys[1].segments[0].divergence.at == 1, second  # after ⟨s⟩
+    assert second[0] == (Cause.DIVERGED, 0, size) and whys[1].segments[0].divergence.at == 1, second  # after <s>
     assert third[0][:2] == (Cause.CACHED, 0) and third[1][0] is Cause.EVICTED, third
     assert whys[2].segments[1].page.evicted_for == stream.request_ids[1], "evicted for panel 2's answer"
     assert fourth[:2] == [(Cause.CACHED, 0, size), (Cause.DIVERGED, size, 2 * size)], fourth

@@ -46,6 +46,22 @@ def test_the_chart_and_table_hold_the_curves_at_the_capacity_chosen():
     assert curves.nearest(curves.capacities[3] * 1.1) == curves.capacities[3]
 
 
+def test_the_capacity_is_picked_on_a_log_scale_and_written_with_separators():
+    """Issue 43: a linear slider from 1,000 to 50,000 that snapped to log-spaced points put everything interesting
+    in its first 16%. The control offers the replayed capacities themselves, each written with separators."""
+    curves = sizing.load()[0]
+    choices = sizing.capacity_choices(curves)
+    assert [value for _, value in choices] == curves.capacities
+    assert [label for label, _ in choices] == [f"{c:,}" for c in curves.capacities] and choices[-1][0] == "50,000"
+    ratios = [b / a for a, b in zip(curves.capacities, curves.capacities[1:], strict=False)]
+    assert max(ratios) / min(ratios) < 1.01 and sizing.step_ratio(curves) == pytest.approx(ratios[0], rel=0.01)
+    assert all(
+        re.fullmatch(r"\d{1,3}(,\d{3})*", cell)
+        for row in sizing.rows_at(curves, curves.nearest(5859))
+        for cell in row[2:]
+    )
+
+
 def test_a_visitor_replays_their_own_requests_and_an_engine_runs_under_another_policy():
     with playground() as pg:
         session = "sizer"
@@ -67,12 +83,14 @@ def test_a_visitor_replays_their_own_requests_and_an_engine_runs_under_another_p
         assert backend is not None and backend.stats().eviction == "arc"
         assert "ARC queue" in charts.lru_chart(series(backend.history(0), backend.stats(), 0.0)).layout.title.text
         assert visitor.recording is not None and visitor.recording.eviction == "arc"
-        update = pg.sizing.replay_mine(None, request(session), no_progress)
+        update = pg.sizing.replay_mine(request(session), no_progress)
         mine = pg.ctx.visitors.peek(session).sizing
         assert mine is not None and mine.block_size == 4 and mine.requests == 3
         assert set(mine.policies) == {"lru", "fifo", "lfu", "arc", "belady"}
         assert all(p.hit_rate <= mine.ceiling + 1e-12 for p in mine.points)
         assert update[pg.ctx.ui.sizing.table] and "LRU serves" in update[pg.ctx.ui.sizing.note]
+        control = update[pg.ctx.ui.sizing.capacity]  # mine's capacities; the pool's 48 pages hold all they fill
+        assert [value for _, value in control.choices] == mine.capacities and control.value == mine.capacities[-1]
 
 
 def test_an_unknown_policy_is_refused():

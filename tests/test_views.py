@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 
-from astrai.observation import CacheStats, PageRecord, RequestInfo, StepSample
+from astrai.observation import CacheStats, PageEvicted, PageRecord, RequestInfo, StepSample
+from astrai.playground.views import charts, tree
 from astrai.playground.views import pages as page_rules
 from astrai.playground.views import series as chart_series
 from astrai.playground.views import text as views
-from astrai.playground.views import tree
 from astrai.playground.views.pages import Owner
 
 ME, THEM = "session-me", "session-them"
@@ -90,7 +90,7 @@ def test_a_running_badge_shows_only_settled_figures_so_it_changes_rarely():
 
 
 def test_a_special_token_reads_the_same_in_every_view():
-    """The start-of-text token read "⟨s⟩" in the prompt's tokens but its raw text in the page hovers and the tree:
+    """The start-of-text token read "<s>" in the prompt's tokens but its raw text in the page hovers and the tree:
     every view writes tokens through ``readable``."""
     shown = views.readable(decode, {0})
     assert shown([0, 5, 0, 6]) == f"{views.SPECIAL_TOKEN_TEXT}<5>{views.SPECIAL_TOKEN_TEXT}<6>"
@@ -217,7 +217,7 @@ def test_what_caching_saved_counts_the_tokens_preemptions_made_it_compute_again(
     """48 prompt tokens computed where the engine ran 308 after 3 preemptions: recomputation is prefill work."""
     summary = views.run_summary([info(cached_tokens=0, prompt_tokens=48, preemptions=3, recomputed_tokens=260)])
     assert summary is not None and summary.computed_tokens == 308 and summary.recomputed_tokens == 260
-    note = views.savings_note(summary, None, small_model=True, bigger_model=False)
+    note = views.savings_note(summary, None, small_model=True)
     assert "**308** prefill tokens were computed for 48 prompt tokens" in note and "260 were computed again" in note
 
 
@@ -264,3 +264,35 @@ def test_the_tree_draws_the_last_run_and_gathers_the_rest_but_counts_the_whole_i
     drawn = {n.id for n in shape.nodes}
     assert drawn == {b"b".hex(), b"k2".hex(), b"k1".hex(), b"k0".hex(), tree.OTHERS}
     assert shape.pages == 6 and shape.focused == 4 and shape.others == 2 and shape.cached == 6
+
+
+def test_evicted_pages_in_the_tree_are_not_called_another_sessions_and_its_title_adds_up():
+    """Issue 43: the tree labelled the visitor's own evicted pages "other session", and its title's counts did not
+    add up (39 pages; 39 of them the run's, 13 gathered, 5 evicted): a ghost whose parent was gathered was counted
+    with the others, and no ghost says whose it was (an eviction does not keep it)."""
+    records = chain(3)  # k0 <- k1 <- k2, stored by request 2 (mine)
+    records.append(dataclasses.replace(record(3, "cached", stored_by=7), key=b"o0", parent_key=None))  # theirs
+    ghosts = [
+        PageEvicted(1, 1, 0.0, page=9, key=b"g1", parent_key=b"k2", token_ids=(5,)),  # after a page of my run
+        PageEvicted(2, 1, 0.0, page=8, key=b"g2", parent_key=b"o0", token_ids=(5,)),  # after a gathered page
+        PageEvicted(3, 1, 0.0, page=7, key=b"g3", parent_key=None, token_ids=(5,)),
+    ]
+    shape = tree.prefix_tree(records, ghosts, OWNERS, ME, decode, focus={2})
+    assert shape.pages == shape.focused + shape.others == 4 and (shape.focused, shape.others) == (3, 1)
+    drawn = {n.id: n for n in shape.nodes}
+    assert [drawn[g.key.hex()].label for g in ghosts] == ["evicted"] * 3
+    assert [drawn[g.key.hex()].parent for g in ghosts] == [b"k2".hex(), tree.OTHERS, tree.ROOT]
+    title = charts.prefix_tree(shape, lambda i: f"panel {i + 1}").layout.title.text
+    assert title == (
+        "Prefix tree: 4 pages (0 in use, 4 cached); 3 of them your last run's, 1 gathered as others; "
+        "3 more just evicted (red)"
+    )
+
+
+def test_a_large_pool_s_page_map_keeps_cells_large_enough_to_see():
+    """Issue 43: the default pool's 2,048 pages were laid out 79 to a row, 5-px cells: step 1's x-marked pages were
+    specks. The columns are capped; only the rows up to the last busy page are drawn."""
+    pages = page_rules.page_views([record(p, "free") for p in range(2048)], OWNERS, ME, set(), decode)
+    grid = charts.page_grid(pages, lambda i: f"panel {i + 1}")
+    assert grid.cols == charts.MAX_COLS and grid.rows == charts.MIN_ROWS
+    assert grid.shown == f"pages 0–{charts.MAX_COLS * charts.MIN_ROWS - 1} of 2048; the rest are free"

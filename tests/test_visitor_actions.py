@@ -308,23 +308,30 @@ class VisitorActions(RuleBasedStateMachine):
         shown = visitor.shown if visitor else None
         if shown is None:
             return
-        backend = self.pg.ctx.engines.backend(shown.profile)
-        infos = backend.request_info(list(shown.request_ids)) if backend else []
         panels = self.ui.panels
-        for i, info in enumerate(infos):
-            badge = update[panels.badges[i]]
-            assert f"**{info.prompt_tokens}** prompt tokens" in badge, badge
-            cached = re.search(r"\*\*(\d+)\*\* cached", badge)
-            if cached:
-                assert int(cached.group(1)) == info.cached_tokens <= info.prompt_tokens - 1, (badge, info)
-            runs = re.findall(r'data-cause="(\w+)" data-tokens="(\d+)"', update[panels.highlights[i]] or "")
-            if info.cached_tokens is not None and runs:  # every prompt token has one cause, the cached ones first
-                labels = [cause for cause, n in runs for _ in range(int(n))]
-                assert len(labels) == min(info.prompt_tokens, text.MAX_HIGHLIGHT_TOKENS), runs
-                cached_n = min(info.cached_tokens, len(labels)) if shown.caching else 0
-                assert labels[:cached_n] == ["cached"] * cached_n and "cached" not in labels[cached_n:], labels
-            elif info.cached_tokens is None:
-                assert not runs, "a request not looked up yet has no causes to show"
+        # after a Compare each badge tells both halves, labelled, and the tokens are coloured by the caching-on half
+        halves = [(shown, "")]
+        if shown.caching_on_half is not None:
+            halves = [(shown.caching_on_half, "**Caching on:**"), (shown, "**Caching off:**")]
+        for run, label in halves:
+            backend = self.pg.ctx.engines.backend(run.profile)
+            infos = backend.request_info(list(run.request_ids)) if backend else []
+            for i, info in enumerate(infos):
+                badge = next((line for line in update[panels.badges[i]].split("  \n") if line.startswith(label)), "")
+                assert f"**{info.prompt_tokens}** prompt tokens" in badge, (label, update[panels.badges[i]])
+                cached = re.search(r"\*\*(\d+)\*\* cached", badge)
+                if cached:
+                    assert int(cached.group(1)) == info.cached_tokens <= info.prompt_tokens - 1, (badge, info)
+                if run is not halves[0][0]:
+                    continue
+                runs = re.findall(r'data-cause="(\w+)" data-tokens="(\d+)"', update[panels.highlights[i]] or "")
+                if info.cached_tokens is not None and runs:  # every prompt token has one cause, cached ones first
+                    labels = [cause for cause, n in runs for _ in range(int(n))]
+                    assert len(labels) == min(info.prompt_tokens, text.MAX_HIGHLIGHT_TOKENS), runs
+                    cached_n = min(info.cached_tokens, len(labels)) if run.caching else 0
+                    assert labels[:cached_n] == ["cached"] * cached_n and "cached" not in labels[cached_n:], labels
+                elif info.cached_tokens is None:
+                    assert not runs, "a request not looked up yet has no causes to show"
         for row in update.get(self.ui.cache.table, []):  # none when the run's engine was retired
             prompt, cached = row[3], row[4]
             assert cached == "off" or cached is None or 0 <= cached < prompt, row
@@ -519,7 +526,7 @@ class VisitorActions(RuleBasedStateMachine):
 
     @rule(
         v=st.sampled_from(VISITORS),
-        action=st.sampled_from(["show", "back", "forward", "live", "play"]),
+        action=st.sampled_from(["show", "back", "forward", "live", "play", "play slowly"]),
         at=st.integers(0, 30),
     )
     def replay(self, v, action, at):
@@ -532,7 +539,7 @@ class VisitorActions(RuleBasedStateMachine):
         elif action == "live":
             update = self.pg.replays.live(req)
         else:
-            self.pg.replays.play(self.slider[v], "1x", req)
+            self.pg.replays.play(self.slider[v], action == "play slowly", req)
             update = self.pg.replays.tick(req)
         self.absorb(v, update)
         visitor = self.visitor(v)

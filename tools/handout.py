@@ -22,7 +22,7 @@ from pathlib import Path
 
 from astrai.playground import promises
 from astrai.playground.scenarios import ROUTING_STEP, Lesson, LessonStep
-from astrai.playground.teaching import plain_title, question
+from astrai.playground.teaching import question
 
 ROOT = Path(__file__).resolve().parents[1]
 HANDOUT = ROOT / "docs" / "handout.html"
@@ -66,7 +66,7 @@ def readme_steps(steps: Sequence[LessonStep]) -> str:
     """README's step list: per step, what the page says, what the tests check, and the question to ask."""
     lines = [README_BEGIN, ""]
     for number, step in enumerate(steps, start=1):
-        lines.append(f"{number}. **{plain_title(step)}** (scenario *{step.scenario}*)")
+        lines.append(f"{number}. **{step.title}** (scenario *{step.scenario}*)")
         for item in (
             f"The page says: {step.text}",
             f"The tests check, on each visitor's own run: {checked(step)}",
@@ -74,7 +74,7 @@ def readme_steps(steps: Sequence[LessonStep]) -> str:
         ):
             lines.append(wrapped(item, "   - ", "     "))
     fleet = (
-        f"On a vLLM fleet behind two routers the lesson has one more step, **{plain_title(ROUTING_STEP)}**: "
+        f"On a vLLM fleet behind two routers the lesson has one more step, **{ROUTING_STEP.title}**: "
         f"*{asked(ROUTING_STEP)}*"
     )
     lines += ["", wrapped(fleet), "", README_END]
@@ -107,7 +107,7 @@ def note_html(step: LessonStep) -> str:
 def handout_html(steps: Sequence[LessonStep]) -> str:
     """One page for students: each step's note as the page shows it, its question and a line for the answer."""
     items = "\n".join(
-        f"<li><b>{number}. {html.escape(sentence(plain_title(step)))}</b> {note_html(step)}"
+        f"<li><b>{number}. {html.escape(sentence(step.title))}</b> {note_html(step)}"
         f'<div class="ask">{html.escape(asked(step))}</div><div class="line"></div></li>'
         for number, step in enumerate(steps, start=1)
     )

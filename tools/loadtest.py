@@ -42,11 +42,12 @@ every student loads it as Lesson ▶ does (``/load_scenario`` of the step's scen
 API, and their callback is that one's function) and reads ``/cache_stats``; once all have answered (the barrier), all
 press the step's button within ``PRESS_SPREAD_S`` (one press per student, spread uniformly, shuffled), each streaming
 its run to the end and then calling ``/after_run`` as the browser chains it. A step that says "Run twice", "then
-Follow-up turn, then Run again" or "Press Compare" gets those presses, each one in lockstep again
-(``astrai.playground.promises.presses``). Per step: TTFT p50 / p95 / max (the first text of panel 1 as the student saw
+Follow-up turn, then Run again" or "Press Compare" gets those presses, each one in lockstep again, and one that says
+"then Replay my requests" has every student call ``/replay_my_requests`` after its run (``astrai.playground.promises
+.presses``). Per step: TTFT p50 / p95 / max (the first text of panel 1 as the student saw
 it stream, every press), each run's time to its end, the class's time from the first press to the last run's end, the
 errors with their messages, and per student whether what it was shown (badges, the request table's cause counts, the
-savings note, the evictions its stats line counted during the step) keeps the step's promise
+savings note, the evictions its stats line counted during the step, Replay my requests' table) keeps the step's promise
 (``astrai.playground.promises``); then the app's VmRSS after all steps. ``--rounds N`` walks the lesson N times and
 gives each step's TTFT p95 as min / median / max over the rounds; ``--json PATH`` writes the report. The tool reads only
 what a visitor reads, so it holds however the app makes a step's pool.
@@ -841,6 +842,22 @@ def read_panels(after: tuple | list, n: int):
     return tuple(panels)
 
 
+def read_replayed(outputs: tuple | list):
+    """Replay my requests as /replay_my_requests shows it: the capacity its control ends on (the last output), and
+    each policy's prompt tokens served there, from its table (``astrai.playground.promises.Replayed``)."""
+    from astrai.playground.promises import Replayed
+    from astrai.playground.views.sizing import POLICY_NAMES
+
+    table = next((x for x in outputs if isinstance(x, dict) and "headers" in x), None)
+    if table is None or not table["data"]:
+        raise ValueError(f"Replay my requests showed no table: {str(outputs)[:160]!r}")
+    served = table["headers"].index("prompt tokens served")
+    policies = {name: policy for policy, name in POLICY_NAMES.items()}
+    capacity = outputs[-1]  # the control's new choices come as an update: {"value": ..., "choices": ...}
+    capacity = capacity.get("value") if isinstance(capacity, dict) else capacity
+    return Replayed(int(capacity), {policies[row[0]]: int(str(row[served]).replace(",", "")) for row in table["data"]})
+
+
 def read_computed(note: str) -> tuple[int, int]:
     """Compare's prefill tokens computed with caching on and off, as the savings note says them."""
     import re
@@ -871,6 +888,10 @@ class Student:
 
     def stats(self) -> dict:
         return _call(self.client, self.call_timeout, api_name="/cache_stats")
+
+    def replay_mine(self) -> tuple:
+        """Replay my requests, as the button does."""
+        return tuple(_call(self.client, self.call_timeout, api_name="/replay_my_requests"))
 
     def leave(self) -> None:
         """Close the tab: the session's heartbeat stops, as a browser's does (tools/soak_app.py's visitors leave)."""
@@ -908,6 +929,7 @@ def _walk_step(
     before: list[dict] = [{} for _ in students]
     runs: list[list] = [[] for _ in students]
     computed: list[tuple[int, int] | None] = [None] * len(students)
+    replayed: list = [None] * len(students)  # what Replay my requests showed each (promises.Replayed)
     outputs: list[tuple] = [() for _ in students]
 
     def failed(i: int, where: str, exc: Exception) -> None:
@@ -932,6 +954,17 @@ def _walk_step(
                     if turns is None:
                         failed(i, "follow-up turn", ValueError("a panel had no answer, or the turn is too long"))
                     prompts[i] = turns or prompts[i]
+            continue
+        if button == "replay_mine":  # the lab's replay, in the request's thread: no engine step, no spread
+
+            def replay(i: int) -> None:
+                if not records[i].errors:
+                    try:
+                        replayed[i] = read_replayed(students[i].replay_mine())
+                    except Exception as exc:
+                        failed(i, "replay my requests", exc)
+
+            list(pool.map(replay, range(len(students))))
             continue
         offsets = [PRESS_SPREAD_S * k / len(students) for k in range(len(students))]
         rng.shuffle(offsets)
@@ -964,7 +997,7 @@ def _walk_step(
             continue
         try:
             evicted = students[i].stats()["evictions"] - before[i]["evictions"]
-            seen = promises.Seen(before[i]["page_size"], tuple(runs[i]), evicted, computed[i])
+            seen = promises.Seen(before[i]["page_size"], tuple(runs[i]), evicted, computed[i], replayed[i])
             record.broken = promises.check(step, seen)
             record.promise = "broken" if record.broken else "kept"
         except Exception as exc:

@@ -73,7 +73,7 @@ from tools.soak import WORDS
 
 WARM_UP = 0.2  # the share of the runs after which memory must be flat
 KEEP_MESSAGES = 10  # error messages and unknown-token examples kept in the report
-MAX_TOKENS = 16  # each run's cap (the steps' own are 16 to 160): 5,000 runs in hours, not a day, on 2 cores
+MAX_TOKENS = 16  # each run's cap (the steps' own are 4 to 160): 5,000 runs in hours, not a day, on 2 cores
 
 
 def unknown_tokens(panels: tuple[Panel, ...]) -> int:
@@ -290,6 +290,8 @@ class _Soak:
         for button in promises.presses(step):
             if made == budget:
                 break
+            if button == "replay_mine":  # the lab's replay of the visitor's requests: no run, nothing to soak
+                continue
             if button == "follow_up":  # the button's work is the page's own: no call
                 turns = follow_up_prompts(prefix, prompts, outputs[: len(prompts)])
                 if turns is None:

@@ -2,7 +2,8 @@
 
 The one place the lesson's promises are checked from: tests/test_scenarios.py and tests/test_lesson_truth.py check
 them on the engine and in process, and ``python -m tools.loadtest --lockstep`` on what each student of a class reads
-back through the page's endpoints (badges, the request table, the savings note, the stats line). A check reads only
+back through the page's endpoints (badges, the request table, the savings note, the stats line, Replay my requests'
+table). A check reads only
 what a visitor is shown, so it holds whatever pool the step's runs are served from (one shared by the class, or a
 pool of the student's own). It returns the ways the visitor's step broke the promise, each in words: none, kept.
 """
@@ -13,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from astrai.explain import Cause
-from astrai.playground.scenarios import LESSON, LessonStep
+from astrai.playground.scenarios import EVICTION_OPENING_PAGES, LESSON, POLICY, SYSTEM_PROMPT_PAGES, LessonStep
 
 # Step 1's text: panels 2-4 "show 32 or more cached tokens in the very first run" (two of the prefix's full pages).
 SHARED_PREFIX_MIN_HIT = 32
@@ -29,15 +30,25 @@ class Panel:
 
 
 @dataclass(frozen=True)
+class Replayed:
+    """Replay my requests as its table reads: the capacity shown (blocks), and the prompt tokens each eviction policy
+    served there (by ``astrai.eviction`` name: "lru", "arc", ...)."""
+
+    capacity: int
+    served: Mapping[str, int]
+
+
+@dataclass(frozen=True)
 class Seen:
     """What one visitor read at one lesson step: each Run's panels in the order pressed (Compare's caching-on half
-    counts as a run), the evictions its stats line counted during the step, and Compare's prefill tokens computed
-    with caching on and off."""
+    counts as a run), the evictions its stats line counted during the step, Compare's prefill tokens computed
+    with caching on and off, and what Replay my requests showed."""
 
     page_size: int
     runs: tuple[tuple[Panel, ...], ...] = ()
     evictions: int | None = None
     computed: tuple[int, int] | None = None
+    replayed: Replayed | None = None
 
 
 Check = Callable[[Seen], list[str]]
@@ -74,11 +85,23 @@ def nothing_shared_nothing_hit(seen: Seen) -> list[str]:
     return broken
 
 
-def the_lru_evicts(seen: Seen) -> list[str]:
-    """Step 3: the pool fills and evictions make room (a preemption "may" happen: not promised)."""
-    if seen.evictions is None:
-        raise ValueError("step 3's check needs the evictions counted during the step")
-    return [] if seen.evictions > 0 else ["no eviction during the step's runs"]
+def eviction_costs_hits(seen: Seen) -> list[str]:
+    """Step 3: the pool evicts during the step; in the second run every panel hits the shared opening's pages, and
+    some panel's tokens are computed again because a page of its own that the first run stored was evicted (a
+    preemption "may" happen: not promised)."""
+    if seen.evictions is None or len(seen.runs) < 2:
+        raise ValueError("step 3's check needs both runs and the evictions counted during the step")
+    opening = EVICTION_OPENING_PAGES * seen.page_size
+    broken = [] if seen.evictions > 0 else ["no eviction during the step's runs"]
+    second = seen.runs[1]
+    broken += [
+        f"panel {i}: {p.cached_tokens} cached in the second run, not the opening's {opening} or more"
+        for i, p in enumerate(second, start=1)
+        if (p.cached_tokens or 0) < opening
+    ]
+    if not any(p.causes.get(Cause.EVICTED, 0) for p in second):
+        broken.append("no panel of the second run had tokens evicted")
+    return broken
 
 
 def chained_hash_refuses(seen: Seen) -> list[str]:
@@ -108,8 +131,28 @@ def caching_saves_prefill(seen: Seen) -> list[str]:
     return [] if on < off else [f"caching on computed {on} prefill tokens, off {off}"]
 
 
+def arc_keeps_what_lru_evicts(seen: Seen) -> list[str]:
+    """Step 8: on the visitor's LRU pool, panel 2 hits the system prompt's pages and panel 6 finds them evicted;
+    Replay my requests, at the pool's size, has LRU serve the system prompt once and ARC twice."""
+    if seen.replayed is None:
+        raise ValueError("step 8's check needs what Replay my requests showed")
+    run, system = _first_run(seen), SYSTEM_PROMPT_PAGES * seen.page_size
+    if len(run) != len(POLICY.prompts):
+        return [f"{len(run)} panels, the step has {len(POLICY.prompts)}"]
+    broken = [] if run[1].cached_tokens == system else [f"panel 2: {run[1].cached_tokens} cached, not {system}"]
+    last = run[-1]
+    if last.cached_tokens != 0 or last.causes.get(Cause.EVICTED, 0) != system:
+        broken.append(f"panel 6: {_words(last.causes)}, the text promises {system} evicted and none cached")
+    pool, served = POLICY.profile.settings.n_pages, seen.replayed.served
+    if seen.replayed.capacity != pool:
+        broken.append(f"Replay my requests showed {seen.replayed.capacity} blocks, not the pool's {pool}")
+    if (served.get("lru"), served.get("arc")) != (system, 2 * system):
+        broken.append(f"LRU served {served.get('lru')} and ARC {served.get('arc')}, not {system} and {2 * system}")
+    return broken
+
+
 def why_did_it_miss(seen: Seen) -> list[str]:
-    """Step 8, cause counts exact, panel by panel. A prompt's last token is always computed, and the tokens after
+    """Step 9, cause counts exact, panel by panel. A prompt's last token is always computed, and the tokens after
     its last full page are a partial page; of the rest (its ``looked`` tokens, in pages): panel 1 all new; panel 2's
     first page diverged, the rest new; panel 3 whole pages cached, then the one page after them evicted, the rest
     new; panel 4 one page cached, the next diverged, the rest new."""
@@ -154,11 +197,12 @@ PROMISES: dict[str, Check | None] = dict(
         (
             shared_prefix_computed_once,
             nothing_shared_nothing_hit,
-            the_lru_evicts,
+            eviction_costs_hits,
             chained_hash_refuses,
             follow_up_hits_the_answer,
             caching_saves_prefill,
             None,
+            arc_keeps_what_lru_evicts,
             why_did_it_miss,
         ),
         strict=True,
@@ -178,11 +222,13 @@ def check(step: LessonStep, seen: Seen) -> list[str]:
 
 
 def presses(step: LessonStep) -> tuple[str, ...]:
-    """The buttons the step's text says to press, in order: "run", "follow_up" (then "run" again), "compare".
-    A step that names none (7: scroll to a chart) is a Run."""
+    """The buttons the step's text says to press, in order: "run", "follow_up" (then "run" again), "compare",
+    "replay_mine" (Replay my requests, after a Run). A step that names none (7: scroll to a chart) is a Run."""
     text = step.text
     if "Press Compare with caching off" in text:
         return ("compare",)
+    if "Press Run, then Replay my requests" in text:
+        return ("run", "replay_mine")
     if "Follow-up turn" in text:
         return ("run", "follow_up", "run")
     return ("run", "run") if "Run twice" in text else ("run",)

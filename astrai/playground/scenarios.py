@@ -37,6 +37,9 @@ class Scenario:
     namespace: Namespace = "shared"
 
 
+# The eviction step's prompts share their first pages (the prefix, with the start token) and then differ: the second
+# run hits those pages in every panel, and misses the panel's own pages that the first run's answers evicted
+EVICTION_OPENING_PAGES = 2  # (tests/test_scenarios.py checks the count on the embedded tokenizer)
 FOLLOW_UP = " Then"  # what Follow-up turn appends after each prompt and its answer
 
 # Both "same page" prompts end with this after a first sentence of equal token count, so from the second page on
@@ -82,18 +85,29 @@ SCENARIOS = [
     ),
     Scenario(
         name="Eviction pressure (small pool)",
-        explanation="A 40-page pool of your own cannot hold six long stories. Run twice: the LRU fills with cached "
-        "pages, then drains as evictions (red flashes) make room, and newer requests may be preempted.",
+        explanation=f"Six stories open with the same {EVICTION_OPENING_PAGES} pages (the shared prefix), then two "
+        "pages of their own, and ask for long answers: a 40-page pool of your own cannot keep them all. Run twice: "
+        "in the first run the LRU fills, evictions (red) make room and requests are preempted; in the second, every "
+        "panel finds the opening cached, and the badges say which of its own pages were evicted, and when.",
+        prefix="Once upon a time, in a small town by a green forest, there lived a girl named Lily. Every night, "
+        "her mom told her a story. ",
         prompts=[
-            "Once upon a time there was a tiny frog",
-            "Tom had a red ball and",
-            "The princess looked at the moon",
-            "Sam the bear was hungry, so",
-            "In the garden, a bee",
-            "Max and his mom went to the shop",
+            "A tiny frog wanted to see the big blue sea, so he hopped down the road past the farm and the old mill. "
+            "On the way he met a duck who said hello, and",
+            "Tom had a red ball that rolled all the way down the hill, over the bridge and into the dark woods. He "
+            "ran after it as fast as he could, and then he",
+            "The princess looked at the moon from her tall tower and wished for a friend who could fly with her. "
+            "That night a small white owl with big eyes came to her window and",
+            "Sam the bear was very hungry after his long winter sleep, so he went to the river to catch a fish. The "
+            "water was cold and fast, and the fish",
+            "In the garden, a busy bee could not find her way back to the hive before the rain came down. She hid "
+            "under a big leaf and waited, and soon",
+            "Max and his mom went to the shop to buy a cake for his sister's birthday. When they got there, the shop "
+            "was closed, so Max had an idea and he",
         ],
         max_tokens=160,
         profile=SMALL_POOL_PROFILE,
+        namespace="mine",
     ),
     Scenario(
         name="Same page, different prefix",
@@ -138,6 +152,37 @@ WHY = Scenario(
     profile=ONE_AT_A_TIME_PROFILE,
     namespace="fresh",
 )
+# LRU or ARC? Six requests one at a time in a 9-page pool: a system prompt asked with twice, a pass of one-off stories,
+# then the system prompt again. LRU evicts the system prompt's pages (the least recently used) for the stories; ARC
+# evicts the stories' (seen once) and keeps the system prompt's (asked for twice). tests/test_scenarios.py runs it on
+# engines under both policies, and through the lab as Replay my requests does.
+SYSTEM_PROMPT_PAGES = 3  # the system prompt's full pages (with the start token; checked on the embedded tokenizer)
+FARM = (
+    "You are the storyteller of the Green Hill farm. The farm has three cows, a red barn, a big pond with ducks and "
+    "an old pony named Pepper. Answer in one short, kind sentence. "
+)
+POLICY = Scenario(
+    name="LRU or ARC: which page goes?",
+    explanation=f"A 9-page pool of your own runs six requests one at a time and evicts the least recently used page "
+    f"(LRU). Panels 1, 2 and 6 open with the same {SYSTEM_PROMPT_PAGES}-page system prompt; panels 3-5 are one-off "
+    "stories passing through. Run, then press Replay my requests (under 'How big should the cache be?') to run "
+    "your requests through each eviction policy, side by side.",
+    prompts=[
+        FARM + "Who lives in the barn?",
+        FARM + "What do the ducks do all day?",
+        "Lily and Ben went to the park to play with their new ball. They ran and jumped and laughed all day, and "
+        "when the sun went down they walked home together, tired and happy. At home their mom made them hot soup "
+        "and bread.",
+        "The little dog ran to the park with his red ball. He wanted to find his friend, the big brown cat, who liked "
+        "to sleep under the old tree by the pond. But the cat was not there, so the dog sat down.",
+        "Tom had a big kite. One windy day he took it to the top of the hill, and the kite flew up and up, over the "
+        "trees and the houses, until it was a tiny dot in the sky. Then the wind stopped.",
+        FARM + "Where does Pepper sleep at night?",
+    ],
+    max_tokens=4,  # the prompts' pages are the point: short answers fill no page of their own
+    profile=ONE_AT_A_TIME_PROFILE,
+    namespace="fresh",
+)
 # A fleet behind two routers (round_robin and a prefix-aware policy) gets one more scenario and lesson step. Each
 # tenant's system prompt is long (several full blocks of vLLM's 32 tokens) and its own, so where its requests land
 # decides whether the system prompt is computed once or once per replica.
@@ -165,7 +210,7 @@ TENANTS = Scenario(
     max_tokens=16,
 )
 ROUTING_WAVES = (" What is there to see?", " Who lives there?", " What happens at night?")
-SCENARIOS.append(WHY)
+SCENARIOS += [POLICY, WHY]
 SCENARIO_BY_NAME = {s.name: s for s in (*SCENARIOS, TENANTS)}
 
 
@@ -176,11 +221,29 @@ def sizing_claim() -> str:
     at = curves.nearest(5859)
     full = min(p.capacity for p in curves.points if p.policy == sizing.OPTIMUM and p.hit_rate >= curves.ceiling)
     largest = next(p for p in curves.points if p.policy == "lru" and p.capacity == curves.capacities[-1])
+    low, high = curves.capacities[0], curves.capacities[-1]
     return (
-        f"Scroll to 'How big should the cache be?'. On an hour of Kimi's conversation traffic, at "
+        f"Scroll to 'How big should the cache be?' and click through the capacities, {low:,} to {high:,} blocks, "
+        f"each about {sizing.step_ratio(curves):.1f}× the one before: the curves and the table say what share of the "
+        f"prompt tokens each eviction policy serves there. On an hour of Kimi's conversation traffic, at "
         f"{sizing.summary(curves, at)} The optimum reaches that ceiling at {full:,} blocks; LRU, even at "
-        f"{largest.capacity:,}, serves {largest.hit_rate:.1%}. Then give this scenario's pool another eviction policy "
-        "(Engine settings: 40 pages, batch 8, Eviction ARC), run it twice and compare its page map with LRU's."
+        f"{largest.capacity:,}, serves {largest.hit_rate:.1%}."
+    )
+
+
+def policy_claim() -> str:
+    """The eviction-policy step's text, its figures from the scenario: the system prompt's tokens, the pool's pages."""
+    settings = POLICY.profile.settings
+    system = SYSTEM_PROMPT_PAGES * settings.page_size
+    return (
+        "Press Run, then Replay my requests (in 'How big should the cache be?'). Six requests run one at a time in a "
+        f"{settings.n_pages}-page pool of your own that evicts the least recently used page (LRU): panels 1, 2 and 6 "
+        f"open with the same {SYSTEM_PROMPT_PAGES}-page system prompt, panels 3-5 are one-off stories passing "
+        f"through. Panel 2 finds the system prompt cached ({system} cached); by panel 6 the stories have pushed it out "
+        f"({system} evicted). "
+        "Replay my requests runs your requests again through each eviction policy, side by side in the table: at "
+        f"your pool's {settings.n_pages} blocks LRU serves {system} prompt tokens and ARC {2 * system}. ARC keeps the "
+        "pages asked for twice apart from pages seen once, so a pass of one-off stories cannot flush them."
     )
 
 
@@ -194,13 +257,15 @@ class LessonStep:
     text: str
 
 
+_OPENING = EVICTION_OPENING_PAGES * SCENARIO_BY_NAME["Eviction pressure (small pool)"].profile.settings.page_size
 LESSON = [
     LessonStep(
         "A shared system prompt is computed once",
         "Shared system prompt",
         "page_map",
         "Press Run. Panel 1 computes the prefix pages; panels 2–4 are admitted in the same step and share them "
-        "(x-marked cells in the page map), so their badges show 32 or more cached tokens in the very first run.",
+        "(x-marked cells in the page map, while the run lasts: press ▶ slow to replay it step by step), so their "
+        "badges show 32 or more cached tokens in the very first run.",
     ),
     LessonStep(
         "Nothing shared, nothing hit",
@@ -210,11 +275,15 @@ LESSON = [
         "so no panel gets a cached token: the dots of this run in the hit rate chart sit at 0%.",
     ),
     LessonStep(
-        "Eviction: the LRU gives pages back",
+        "Eviction costs hits",
         "Eviction pressure (small pool)",
         "plot_1",
-        "Press Run twice. The 40-page pool cannot keep every story: the LRU fills with cached pages, then drains as "
-        "evictions (red) make room, and a request may be preempted and recomputed.",
+        f"Press Run twice. Six stories open with the same {EVICTION_OPENING_PAGES} pages, then have two of their "
+        "own, and ask for long answers: the 40-page pool cannot keep it all. In the first run the LRU fills, then "
+        "evictions (red) make room and requests are preempted. In the second run every badge shows at least the "
+        f"opening's {_OPENING} cached tokens, and some also 'evicted at step N': pages of the panel's own that the "
+        "first run stored, evicted since to make room for others. Those tokens are computed again: that is what "
+        "eviction cost you.",
     ),
     LessonStep(
         "The chained hash: same tokens, different key",
@@ -234,20 +303,24 @@ LESSON = [
         "Caching off versus on",
         "Shared system prompt",
         "savings",
-        "Press Compare with caching off. The same batch runs twice, once with the prefix cache and once on an "
-        "engine without it: caching on computes fewer prefill tokens (the bars on the left). On the tiny embedded "
-        "model the times to first token differ little: prefill is cheap next to each step's fixed cost.",
+        "Press Compare with caching off. The same batch runs twice, first with the prefix cache, then on an engine "
+        "without it, and the chart counts the prefill tokens each computed: with the cache, the prefix's full pages "
+        "are computed once, not once per panel. The badges and the table show both halves, each labelled. Times are "
+        "not compared: the halves run one after the other, on two engines, and on the tiny embedded model a prompt's "
+        "prefill is a small part of a step, so their times differ by what else the machine was doing.",
     ),
     LessonStep("How big should the cache be?", "Eviction pressure (small pool)", "sizing", sizing_claim()),
+    LessonStep("LRU or ARC: which page goes?", POLICY.name, "sizing", policy_claim()),
     LessonStep(
         "Why did it miss?",
         WHY.name,
         "tokens_accordion",
         "Press Run and open 'Prompt tokens'. Panel 1's tokens are new. Panel 2's first page diverges from panel "
-        "1's after its first token (every prompt starts with ⟨s⟩), the rest is new. Panel 3 repeats panel 1's prompt: "
-        "its first pages are still cached, but the page after them was evicted to make room for panel 2's answer "
-        "(red; hover for the step). Panel 4 shares panel 1's first page and diverges in its second. Whatever follows a "
-        "prompt's last full page is computed (a partial page), and so is its last token, always.",
+        "1's after its first token (every prompt starts with the start-of-text token, written `<s>`), the rest is "
+        "new. Panel 3 repeats panel 1's prompt: its first pages are still cached, but the page after them was "
+        "evicted to make room for panel 2's answer (red; hover for the step). Panel 4 shares panel 1's first page and "
+        "diverges in its second. Whatever follows a prompt's last full page is computed (a partial page), and so is "
+        "its last token, always.",
     ),
 ]
 

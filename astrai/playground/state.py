@@ -42,15 +42,19 @@ class ShownRun:
     prompts: tuple[str, ...]
     profile: Profile  # the engine it ran on (its request ids are that engine's)
     caching: bool = True  # its engine looked prompts up in a prefix cache (off: the badges say so, not "0 cached")
+    # a Compare's caching-off half carries its caching-on half: the badges and the table show both, each labelled
+    caching_on_half: ShownRun | None = None
 
 
 @dataclass(frozen=True)
 class Playback:
-    """A replay playing: its speed, and where and when it started."""
+    """A replay playing: its speed (a share of the recorded time), or a fixed pace of steps a second whatever the
+    steps' recorded times; and where and when it started."""
 
     speed: float
     wall_start: float  # time.monotonic() at the start
     start_index: int
+    steps_per_s: float | None = None  # set: the pace, and ``speed`` is not used
 
 
 @dataclass

@@ -13,7 +13,7 @@ from astrai.playground.state import Playback, Visitor
 from astrai.playground.ui.components import fixed
 from astrai.playground.views import charts, fleet, pages, replay, text, tree
 
-SPEEDS = {"1x": 1.0, "quarter": 0.25}
+REAL_TIME = 1.0  # ▶ 1×: the run in its recorded time (▶ slow: ``replay.SLOW_STEPS_PER_S``)
 
 
 class ReplayCallbacks:
@@ -30,13 +30,15 @@ class ReplayCallbacks:
     def step_by(self, index: float | None, delta: int, request: gr.Request) -> Update:
         return self.show_step(int(index or 0) + delta, request)
 
-    def play(self, index: float | None, speed: str, request: gr.Request) -> Update:
+    def play(self, index: float | None, slow: bool, request: gr.Request) -> Update:
+        """Play the run from the slider's step: in its recorded time, or ``slow``, ``replay.SLOW_STEPS_PER_S``."""
         visitor = self.ctx.visitors.act(session_of(request))
         frames = visitor.recording.frames if visitor.recording else []
         if not frames:
             return {}
         start = int(index or 0) % len(frames)  # at the end: start over
-        visitor.following, visitor.playback = False, Playback(SPEEDS[speed], time.monotonic(), start)
+        pace = replay.SLOW_STEPS_PER_S if slow else None
+        visitor.following, visitor.playback = False, Playback(REAL_TIME, time.monotonic(), start, pace)
         return {self.ui.replay.timer: gr.Timer(active=True)}
 
     def pause(self, request: gr.Request) -> Update:
@@ -51,14 +53,16 @@ class ReplayCallbacks:
         frames = recording.frames if recording else []
         if playback is None or recording is None or not frames:
             return {timer: gr.Timer(active=False)}
-        times = [recording.samples[end - 1].time for end in frames]
-        start = playback.start_index
-        first = recording.samples[frames[0] - 1]
-        origin = times[start - 1] if start else first.time - first.duration_s
-        target = origin + (time.monotonic() - playback.wall_start) * playback.speed
-        frame = max(start, sum(t <= target for t in times))
+        start, elapsed = playback.start_index, time.monotonic() - playback.wall_start
+        if playback.steps_per_s is not None:
+            frame = min(len(frames), start + int(elapsed * playback.steps_per_s))
+        else:
+            times = [recording.samples[end - 1].time for end in frames]
+            first = recording.samples[frames[0] - 1]
+            origin = times[start - 1] if start else first.time - first.duration_s
+            frame = max(start, sum(t <= origin + elapsed * playback.speed for t in times))
         update = self._frame(visitor, session, frame)
-        if frame >= len(times):
+        if frame >= len(frames):
             visitor.playback = None
             update[timer] = gr.Timer(active=False)
         return update
@@ -149,10 +153,9 @@ class ReplayCallbacks:
         )
         for button, delta in ((controls.back, -1), (controls.forward, 1)):
             button.click(fixed(self.step_by, delta=delta), controls.step, frame, api_visibility="private", **QUIET)
-        for button, speed in ((controls.play_1x, "1x"), (controls.play_slow, "quarter")):
-            button.click(
-                fixed(self.play, speed=speed), controls.step, [controls.timer], api_visibility="private", **QUIET
-            )
+        for button, slow in ((controls.play_1x, False), (controls.play_slow, True)):
+            play = fixed(self.play, slow=slow)
+            button.click(play, controls.step, [controls.timer], api_visibility="private", **QUIET)
         controls.pause.click(self.pause, None, [controls.timer], api_visibility="private", **QUIET)
         controls.timer.tick(self.tick, None, frame, api_visibility="private", concurrency_limit=8, **QUIET)
         back_to_live = [controls.timer, controls.step, cache.cursor, *self.ui.panels.outputs]

@@ -18,11 +18,13 @@ import gradio as gr
 from gradio.components import Component
 
 from astrai.explain import Explanation
+from astrai.observation import RequestInfo
 from astrai.playground import knobs
 from astrai.playground.backends.profiles import Profile
 from astrai.playground.backends.protocol import Backend, BackendError
 from astrai.playground.callbacks.context import QUIET, Context, Update, run_infos, served_once_named, session_of
 from astrai.playground.callbacks.pacing import Pacer
+from astrai.playground.callbacks.sizing import replay_button_of
 from astrai.playground.scenarios import FOLLOW_UP, NAMESPACES, Namespace
 from astrai.playground.state import ShownRun, Visitor
 from astrai.playground.ui.components import MAX_PANELS, by_name
@@ -84,6 +86,18 @@ def parse_batch(values: dict[str, Any]) -> Batch:
     return Batch(prefix, prompts, params, namespace)
 
 
+@dataclasses.dataclass(frozen=True)
+class Told:
+    """One run as the page tells it: its requests (None where its engine no longer knows one), their explanations,
+    and a badge per panel ("" past the run's panels)."""
+
+    shown: ShownRun
+    backend: Backend | None
+    infos: list[RequestInfo | None]
+    whys: list[Explanation | None]
+    badges: list[str]
+
+
 @contextlib.contextmanager
 def _streaming(visitor: Visitor) -> Iterator[None]:
     visitor.streaming_since = time.monotonic()
@@ -124,9 +138,11 @@ class RunCallbacks:
                 gr.Warning(f"{exc} The caching-off half runs on your engine, each prompt in a namespace of its own.")
                 off = profile
         yield from self._stream(batch, session, profile, caching=True)
-        yield from self._stream(batch, session, off, caching=False)
+        yield from self._stream(batch, session, off, caching=False, beside=self.ctx.visitors.act(session).shown)
 
-    def _stream(self, batch: Batch, session: str, profile: Profile, caching: bool) -> Iterator[Update]:
+    def _stream(
+        self, batch: Batch, session: str, profile: Profile, caching: bool, beside: ShownRun | None = None
+    ) -> Iterator[Update]:
         """Stream the panels' text, and nothing else.
 
         Gradio 6.31 makes each message of a streaming event cost every output a server-side postprocess and the
@@ -164,7 +180,9 @@ class RunCallbacks:
                     eviction=eviction,
                 )
                 visitor.following, visitor.playback = True, None
-                shown = visitor.shown = ShownRun(tuple(run.request_ids), tuple(batch.prompts), profile, looks_up)
+                shown = visitor.shown = ShownRun(
+                    tuple(run.request_ids), tuple(batch.prompts), profile, caching=looks_up, caching_on_half=beside
+                )
                 try:
                     yield texts()
                     pacer = Pacer(ctx.runs.interval)
@@ -200,37 +218,56 @@ class RunCallbacks:
     def details(self, visitor: Visitor, session: str, highlights: bool = True, final: bool = False) -> Update:
         """The badges (and, unless told not to, the token colouring and request table) of the latest run, each
         prompt token's cause in them (``views/causes.py``, as this session may see it); ``final`` once it ended: a
-        fleet's badges then wait (briefly) for the events naming each panel's replica."""
+        fleet's badges then wait (briefly) for the events naming each panel's replica. After a Compare, both halves:
+        each badge and the table tell the caching-on half, then the caching-off one, each labelled; the token
+        colouring is the caching-on half's (without a cache every token is computed)."""
         shown, panels = visitor.shown, self.ui.panels
         if shown is None:
             return self.no_details()
-        backend = self.ctx.engines.backend(shown.profile)
-        infos = run_infos(backend, shown)
         own = set(self.ctx.visitors.requests_of(session))
-        whys = self._explain(backend, shown, own)
+        last = self._tell(shown, own, final)
+        on = self._tell(shown.caching_on_half, own, final) if shown.caching_on_half is not None else None
         update: Update = {
-            badge: text.badge(infos[i], shown.caching, whys[i]) if i < len(infos) else ""
+            badge: text.compared_badge(on.badges[i], last.badges[i]) if on is not None else last.badges[i]
             for i, badge in enumerate(panels.badges)
         }
-        if backend is not None and backend.replicas:  # a fleet: each badge names the replica that served it
-            ids = list(shown.request_ids)
-            served = served_once_named(backend, ids) if final else backend.served_by(ids)
-            for badge, rid, info in zip(panels.badges, shown.request_ids, infos, strict=False):
-                if info is not None:
-                    update[badge] += " · " + fleet.served_text(served.get(rid))
-        if not highlights or backend is None:
+        if not highlights or last.backend is None:
             return update
-        update[self.ui.cache.table] = text.request_rows(infos, list(shown.prompts), shown.caching, whys)
+        halves = [(on, text.HALVES[0]), (last, text.HALVES[1])] if on is not None else [(last, "")]
+        update[self.ui.cache.table] = [
+            row
+            for told, label in halves
+            for row in text.request_rows(told.infos, list(told.shown.prompts), told.shown.caching, told.whys, label)
+        ]
+        coloured = on if on is not None else last
+        backend = coloured.backend
+        if backend is None:
+            return update | dict.fromkeys(panels.highlights, "")
         shown_as = text.readable(backend.decode, backend.special_ids())
-        panel_of = {rid: i for i, rid in enumerate(shown.request_ids)}
+        panel_of = {rid: i for i, rid in enumerate(coloured.shown.request_ids)}
         whose = causes.Whose(panel_of, own, tuple(r.name for r in backend.replicas))
         for i, box in enumerate(panels.highlights):
-            info, why = (infos[i], whys[i]) if i < len(infos) else (None, None)
+            info, why = (coloured.infos[i], coloured.whys[i]) if i < len(coloured.infos) else (None, None)
             if info is None or why is None or info.cached_tokens is None:  # not looked up yet, or unknown
                 update[box] = ""
                 continue
-            update[box] = causes.token_html(why, info.prompt_ids, shown_as, whose, text.MAX_HIGHLIGHT_TOKENS)
+            html = causes.token_html(why, info.prompt_ids, shown_as, whose, text.MAX_HIGHLIGHT_TOKENS)
+            update[box] = (f"<small>{text.HALVES[0]}:</small>" if on is not None else "") + html
         return update
+
+    def _tell(self, shown: ShownRun, own: set[int], final: bool) -> Told:
+        """One run's requests, their explanations and badges (a fleet's naming the replica that served each)."""
+        backend = self.ctx.engines.backend(shown.profile)
+        infos = run_infos(backend, shown)
+        whys = self._explain(backend, shown, own)
+        badges = [text.badge(infos[i], shown.caching, whys[i]) if i < len(infos) else "" for i in range(MAX_PANELS)]
+        if backend is not None and backend.replicas:  # a fleet: each badge names the replica that served it
+            ids = list(shown.request_ids)
+            served = served_once_named(backend, ids) if final else backend.served_by(ids)
+            for i, (rid, info) in enumerate(zip(shown.request_ids, infos, strict=False)):
+                if info is not None:
+                    badges[i] += " · " + fleet.served_text(served.get(rid))
+        return Told(shown, backend, infos, whys, badges)
 
     @staticmethod
     def _explain(backend: Backend | None, shown: ShownRun, own: set[int]) -> list[Explanation | None]:
@@ -260,17 +297,17 @@ class RunCallbacks:
         notes = eviction_notes(ctx, backend, recording, session_of(request)) if recording and backend else None
         note = replay.narrate(recording, frames, notes) if recording else ""
         if frames > 1:
-            note = f"{note}  \n**Replay ▶ ¼×** plays your run's {frames} steps slowly, one at a time."
+            pace = f"{replay.SLOW_STEPS_PER_S:g} a second: {frames / replay.SLOW_STEPS_PER_S:.0f} s"
+            note = f"{note}  \n**Replay ▶ slow** plays your run's {frames} steps one at a time, {pace}."
         slow = gr.Button(variant="primary" if frames > 1 else "secondary")
-        return update | {controls.note: note, controls.play_slow: slow}
+        return update | {controls.note: note, controls.play_slow: slow} | replay_button_of(ctx, session_of(request))
 
     def savings(self, visitor: Visitor) -> Update:
         engines, cache = self.ctx.engines, self.ui.cache
         small = visitor.profile.model == engines.default.model
-        bigger = len(engines.model_choices()) > 1  # hub models offered: a larger one can be loaded
         return {
             cache.savings: charts.savings(visitor.with_cache, visitor.without_cache),
-            cache.savings_note: text.savings_note(visitor.with_cache, visitor.without_cache, small, bigger),
+            cache.savings_note: text.savings_note(visitor.with_cache, visitor.without_cache, small),
         }
 
     def follow_up(self, values: dict[str, Any]) -> Update:
@@ -312,8 +349,8 @@ class RunCallbacks:
         panels = ui.panels
         gr.api(self.cache_stats, api_name="cache_stats", concurrency_limit=8)
         details_outputs = [*panels.badges, *panels.highlights, ui.cache.table]
-        after_outputs = [*details_outputs, ui.replay.step, ui.replay.note, ui.replay.play_slow]
-        after_outputs += [ui.cache.savings, ui.cache.savings_note]
+        after_outputs = [*details_outputs, ui.replay.step, ui.replay.note, ui.replay.play_slow, ui.sizing.replay_mine]
+        after_outputs += [ui.cache.savings, ui.cache.savings_note]  # the note last (API clients read it there)
         for button, handler, api_name in ((buttons.run, self.run, "run"), (buttons.compare, self.compare, "compare")):
             inputs, fn = by_name(ui.run_fields(), handler)
             # a click first clears the last run's badges, token colouring and table, then streams the text alone

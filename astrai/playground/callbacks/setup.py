@@ -20,6 +20,7 @@ from astrai.playground.backends.profiles import EngineSettings, Profile
 from astrai.playground.backends.protocol import BackendError, EngineLimitReached
 from astrai.playground.callbacks.context import QUIET, Context, Update, session_of
 from astrai.playground.callbacks.run import RunCallbacks
+from astrai.playground.callbacks.sizing import replay_button_of
 from astrai.playground.scenarios import LESSON_PROFILES, SCENARIO_BY_NAME, Lesson
 from astrai.playground.ui.components import MAX_PANELS, by_name, fixed
 from astrai.playground.ui.layout import CAPTIONS
@@ -102,6 +103,7 @@ class SetupCallbacks:
         update |= self._move(session, scenario.profile, progress)
         self._start_clean(session)
         update |= self._clean_slate(session)
+        update |= replay_button_of(self.ctx, session)  # offered for the requests on the engine moved to
         return update | self.panels_shown(len(scenario.prompts), emptied=True)  # at once: the view goes under them
 
     def panels_shown(self, n: float, emptied: bool = False) -> Update:
@@ -305,7 +307,8 @@ class SetupCallbacks:
         scenario_outputs += [*ui.panels.badges, *ui.panels.highlights, ui.cache.table, ui.cache.savings]
         scenario_outputs += [ui.cache.savings_note, ui.replay.step, ui.replay.note, ui.replay.timer]
         scenario_outputs += [ui.replay.play_slow, setup.lesson_end, ui.cache.routing, ui.cache.routing_note]
-        scenario_outputs += [*ui.panels.columns, *engine_outputs]  # the engine's status last (API clients read it)
+        scenario_outputs += [ui.sizing.replay_mine, *ui.panels.columns]
+        scenario_outputs += engine_outputs  # the engine's status last (API clients read it)
         # the components that show a failed event's "Error" (each event's progress shows on one of them): loading a
         # step shows its progress on all of them, which clears any such marker the last step left
         marked = [setup.note, ui.panels.outputs[0], ui.sizing.note, engine.status]

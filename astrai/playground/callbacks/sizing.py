@@ -1,5 +1,10 @@
 """The cache-sizing lab in the page: the shipped traces' curves at once (precomputed), or the visitor's own
-requests replayed on demand, with progress, in the request's worker thread (never the engine's loop)."""
+requests replayed on demand, with progress, in the request's worker thread (never the engine's loop).
+
+**Replay my requests** is offered only while it can answer: the visitor's requests on their engine must fill
+``sizing.MIN_BLOCKS`` full pages. Until then the button is disabled and says why (it is updated after each run and
+each move to a lesson step), and a press that races it gets the same words in the note, never an error.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +12,41 @@ import gradio as gr
 
 from astrai.lab.record import from_requests
 from astrai.lab.replay import REPLAY_POLICIES, Replay
+from astrai.lab.trace import Trace
+from astrai.playground.backends.protocol import BackendError
 from astrai.playground.callbacks.context import QUIET, Context, Update, session_of
 from astrai.playground.state import Visitor
 from astrai.playground.views import sizing
 
 MAX_OWN_CAPACITIES = 8  # replays per policy for a visitor's own requests (each takes milliseconds)
+
+
+def own_requests(ctx: Context, session: str) -> tuple[Trace, int | None]:
+    """The visitor's ended requests on the engine they are on, as a trace at its page size, and its pool's pages
+    (None where the engine is not running or cannot be reached: then the trace is empty)."""
+    backend = ctx.engines.backend(ctx.visitors.peek(session).profile)
+    if backend is None:
+        return Trace((), sizing.DEFAULT_BLOCK, sizing.MINE), None
+    try:
+        stats = backend.stats()
+        infos = backend.request_info(ctx.visitors.requests_of(session))
+    except BackendError:
+        return Trace((), sizing.DEFAULT_BLOCK, sizing.MINE), None
+    return from_requests(infos, stats.page_size or sizing.DEFAULT_BLOCK), stats.n_pages
+
+
+def replay_button(blocks: int) -> gr.Button:
+    """Replay my requests for requests that fill ``blocks`` full pages: enabled, or disabled and saying why."""
+    reason = sizing.not_yet(blocks)
+    if reason is None:
+        return gr.Button(value=sizing.REPLAY_MINE, interactive=True)
+    return gr.Button(value=f"{sizing.REPLAY_MINE} ({reason})", interactive=False)
+
+
+def replay_button_of(ctx: Context, session: str) -> Update:
+    """The button as it stands for the requests the visitor has on their engine (after a run, after a move)."""
+    trace, _ = own_requests(ctx, session)
+    return {ctx.ui.sizing.replay_mine: replay_button(sizing.full_blocks(trace))}
 
 
 class SizingCallbacks:
@@ -23,7 +58,8 @@ class SizingCallbacks:
         return [*self.shipped, sizing.MINE]
 
     def show(self, trace: str | None, capacity: float | None, request: gr.Request) -> Update:
-        """The chosen workload's curves, with the capacity snapped to the nearest one replayed."""
+        """The chosen workload's curves at the replayed capacity nearest ``capacity``; the capacity control offers
+        that workload's capacities."""
         views = self.ui.sizing
         curves = self._curves(trace, self.ctx.visitors.peek(session_of(request)))
         if curves is None:
@@ -33,41 +69,40 @@ class SizingCallbacks:
                 views.table: [],
             }
         nearest = curves.nearest(capacity or curves.capacities[len(curves.capacities) // 2])
-        slider = gr.Slider(minimum=curves.capacities[0], maximum=curves.capacities[-1], value=nearest)
         return {
             views.chart: sizing.curve_chart(curves, nearest),
             views.table: sizing.rows_at(curves, nearest),
             views.note: sizing.summary(curves, nearest),
-            views.capacity: slider,
+            views.capacity: gr.Radio(choices=sizing.capacity_choices(curves), value=nearest),
         }
 
     def replay_mine(
         self,
-        capacity: float | None,
         request: gr.Request,
         progress: gr.Progress = gr.Progress(),  # noqa: B008 - gradio injects it
     ) -> Update:
         """The visitor's ended requests on their engine, as a trace at its page size, through every policy at a
-        few capacities up to what they fill (a few hundred blocks at most: each replay takes milliseconds)."""
+        few capacities up to what they fill (a few hundred blocks at most: each replay takes milliseconds), and at
+        their pool's size, which is shown first."""
         session = session_of(request)
         visitor = self.ctx.visitors.act(session)
-        backend = self.ctx.engines.backend(visitor.profile)
-        page_size = backend.stats().page_size if backend is not None else None
-        infos = backend.request_info(self.ctx.visitors.requests_of(session)) if backend is not None else []
-        trace = from_requests(infos, page_size or 16)
-        blocks = sum(trace.full_blocks(r) for r in trace.requests)
-        if not trace.requests or blocks < 2:
-            raise gr.Error("Run a few batches on your engine first: your requests fill no more than one page yet.")
-        steps = MAX_OWN_CAPACITIES - 1  # capacities on a log scale from 1 block to all of them
-        capacities = sorted({max(1, int(round(blocks ** (k / steps)))) for k in range(MAX_OWN_CAPACITIES)})
+        trace, pool = own_requests(self.ctx, session)
+        blocks = sizing.full_blocks(trace)
+        button = replay_button(blocks)
+        reason = sizing.not_yet(blocks)
+        if reason is not None:  # a press that raced the button's update: the same words, no error
+            return {self.ui.sizing.note: f"**{sizing.REPLAY_MINE}**: {reason}.", self.ui.sizing.replay_mine: button}
+        steps = MAX_OWN_CAPACITIES - 1  # capacities on a log scale from 1 block to all of them, and the pool's
+        capacities = {max(1, int(round(blocks ** (k / steps)))) for k in range(MAX_OWN_CAPACITIES)}
+        shown = min(pool or blocks, blocks)
         prepared = Replay(trace)
         points = []
         for i, policy in enumerate(REPLAY_POLICIES):
             progress(i / len(REPLAY_POLICIES), desc=f"replaying your {len(trace.requests)} requests under {policy}")
-            for capacity in capacities:
-                result = prepared.run(policy, capacity)
+            for at in sorted(capacities | {shown}):
+                result = prepared.run(policy, at)
                 points.append(
-                    sizing.Point(policy, capacity, result.hit_rate, result.hit_tokens, result.evictions, result.orphans)
+                    sizing.Point(policy, at, result.hit_rate, result.hit_tokens, result.evictions, result.orphans)
                 )
         ceiling = prepared.run("lru", None)
         visitor.sizing = sizing.Curves(
@@ -78,7 +113,8 @@ class SizingCallbacks:
             ceiling=ceiling.hit_rate,
             points=tuple(points),
         )
-        return {self.ui.sizing.trace: sizing.MINE} | self.show(sizing.MINE, capacity, request)
+        update = {self.ui.sizing.trace: sizing.MINE, self.ui.sizing.replay_mine: button}
+        return update | self.show(sizing.MINE, shown, request)
 
     def _curves(self, trace: str | None, visitor: Visitor) -> sizing.Curves | None:
         if trace == sizing.MINE:
@@ -88,12 +124,12 @@ class SizingCallbacks:
     def wire(self, demo: gr.Blocks) -> None:
         views = self.ui.sizing
         outputs = [views.chart, views.table, views.note, views.capacity]
-        for trigger in (views.trace.change, views.capacity.release):
+        for trigger in (views.trace.input, views.capacity.input):  # a visitor's choice, not a replay's update
             trigger(self.show, [views.trace, views.capacity], outputs, api_visibility="private", **QUIET)
         views.replay_mine.click(
             self.replay_mine,
-            [views.capacity],
-            [views.trace, *outputs],
+            None,
+            [views.trace, views.replay_mine, *outputs],
             api_name="replay_my_requests",
             concurrency_limit=2,
             show_progress_on=views.note,

@@ -86,7 +86,7 @@ class SizingViews:
     """The cache-sizing lab: a workload, a capacity, and what each eviction policy serves there."""
 
     trace: gr.Radio
-    capacity: gr.Slider
+    capacity: gr.Radio  # the workload's replayed capacities, log-spaced, written with separators
     replay_mine: gr.Button
     chart: gr.Plot
     table: gr.DataFrame

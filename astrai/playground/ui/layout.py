@@ -198,15 +198,14 @@ def _sizing() -> SizingViews:
                 trace = gr.Radio(
                     [c.name for c in curves] + [sizing.MINE], value=first.name, label="Workload", elem_id="sizing_trace"
                 )
-                capacity = gr.Slider(
-                    first.capacities[0],
-                    first.capacities[-1],
+                capacity = gr.Radio(
+                    sizing.capacity_choices(first),
                     value=first.nearest(5859),
-                    step=1,
-                    label="Cache capacity (blocks): drag, and read what each policy serves there",
+                    label="Cache capacity in blocks, on a log scale: pick one, and read what each policy serves there",
                     elem_id="sizing_capacity",
                 )
-                replay_mine = gr.Button("Replay my requests", size="sm", elem_id="sizing_mine")
+                waiting = f"{sizing.REPLAY_MINE} ({sizing.not_yet(0)})"  # a new page's session has run nothing
+                replay_mine = gr.Button(waiting, size="sm", interactive=False, elem_id="sizing_mine")
                 note = gr.Markdown(elem_id="sizing_note")
     # below the view the lesson points at (``sizing``), so that view fits a laptop's window under the lesson's bar
     table = gr.DataFrame(
@@ -259,6 +258,7 @@ def _highlights(shown: int) -> tuple[gr.HTML, ...]:
                 elem_id=f"tokens_{i}",
                 min_height=0,
                 visible=i < shown,
+                padding=True,  # the legend's chips start below the label, not under it (they were clipped in half)
             )
             for i in range(MAX_PANELS)
         )
@@ -269,7 +269,7 @@ def _replay_controls() -> ReplayControls:
         step = gr.Slider(0, 1, value=0, step=1, label="Replay: step of your last run", elem_id="replay_step", scale=4)
         back = gr.Button("◀ step", elem_id="replay_back", min_width=70, size="sm", scale=0)
         play_1x = gr.Button("▶ 1×", elem_id="replay_play", min_width=60, size="sm", scale=0)
-        play_slow = gr.Button("▶ ¼×", elem_id="replay_slow", min_width=60, size="sm", scale=0)
+        play_slow = gr.Button("▶ slow", elem_id="replay_slow", min_width=70, size="sm", scale=0)
         pause = gr.Button("❚❚", elem_id="replay_pause", min_width=50, size="sm", scale=0)
         forward = gr.Button("step ▶", elem_id="replay_fwd", min_width=70, size="sm", scale=0)
         live = gr.Button("Live", elem_id="replay_live", min_width=60, size="sm", scale=0)

@@ -61,8 +61,9 @@ class Whose:
         return self.replicas[index] if 0 <= index < len(self.replicas) else f"replica {index + 1}"
 
 
-def hover(segment: Segment, whose: Whose) -> str:
-    """What one run of tokens says when hovered: its cause, and the facts the cause names."""
+def hover(segment: Segment, whose: Whose, shown: Callable[[Sequence[int]], str] | None = None) -> str:
+    """What one run of tokens says when hovered: its cause, and the facts the cause names (tokens written with
+    ``shown``, as the token view writes them; without it, as ids)."""
     size = segment.end - segment.start
     tokens = f"{size} token{'s' if size != 1 else ''}"
     page = segment.page
@@ -80,9 +81,10 @@ def hover(segment: Segment, whose: Whose) -> str:
         line = f"{tokens} computed again: {_ended(page, whose)}"
     elif cause is Cause.DIVERGED and segment.divergence is not None:
         d = segment.divergence
+        yours, this = (_written(t, shown) for t in (d.cached_tokens[d.at :], d.prompt_tokens[d.at :]))
         line = (
             f"{tokens} computed: your cached page after the same prefix differs from its token {d.at + 1} on "
-            f"(yours cached: {list(d.cached_tokens[d.at :])}; this prompt: {list(d.prompt_tokens[d.at :])})"
+            f"(yours cached: {yours}; this prompt: {this})"
         )
     elif cause is Cause.PARTIAL_PAGE:
         line = f"{tokens} after the last full page: only full pages are cached"
@@ -111,6 +113,14 @@ def hover(segment: Segment, whose: Whose) -> str:
     if segment.stranded_behind is not None and cause is not Cause.CACHED:
         line += f"; these pages were still cached, but token {segment.stranded_behind + 1} missed first"
     return line
+
+
+def _written(token_ids: Sequence[int], shown: Callable[[Sequence[int]], str] | None) -> str:
+    """Tokens in a hover: their text, quoted (a newline as ⏎, as the token view writes it); without ``shown``, ids."""
+    if shown is None:
+        return str(list(token_ids))
+    text = shown(token_ids).replace("\n", "⏎")
+    return f"“{text}”"
 
 
 def _stored(page: PageLife, whose: Whose) -> str:
@@ -206,7 +216,7 @@ def token_html(
             break
         words, color = CAUSES[segment.cause]
         text = html.escape(shown(prompt_ids[segment.start : end]).replace("\n", "⏎"), quote=False)
-        title = html.escape(hover(segment, whose), quote=True)
+        title = html.escape(hover(segment, whose, shown), quote=True)
         spans.append(
             f'<span data-cause="{segment.cause.value}" data-tokens="{end - segment.start}" title="{title}" '
             f'style="background:{color};white-space:pre-wrap;border-bottom:1px solid #9ca3af">{text}</span>'

@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from astrai.playground.classroom import ClassView
 from astrai.playground.scenarios import LessonStep
 from astrai.playground.state import SEEN_WITHIN_S
-from astrai.playground.teaching import plain_title
 
 PANEL_CAPTION = (
     f"*Open pages*: pages that polled in the last {SEEN_WITHIN_S:g} s (a hidden tab, or one with Live charts off, "
@@ -20,7 +19,7 @@ PANEL_CAPTION = (
 
 def step_name(steps: Sequence[LessonStep], index: int) -> str:
     """The step as the class panel, the banner and the teacher's menu name it: its number, then its title."""
-    return f"step {index + 1}: {plain_title(steps[index])}"
+    return f"step {index + 1}: {steps[index].title}"
 
 
 def hit_rate(cached: int, looked_up: int) -> str:

@@ -31,6 +31,9 @@ from astrai.observation import CacheSnapshot, PageRecord, StepSample
 from astrai.playground.views.series import Series
 
 MAX_SAMPLES = 4096  # a recording's bound: a run of 6 panels × 256 tokens takes a few hundred steps
+# ▶ slow's pace, one step at a time: a run of the embedded model takes about a second, so even a quarter of its
+# recorded time went by at 27 steps a second, too fast to point at anything
+SLOW_STEPS_PER_S = 2.0
 
 
 @dataclass(frozen=True)

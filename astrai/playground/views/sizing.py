@@ -17,8 +17,13 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 
+from astrai.lab.trace import Trace
+
 SHIPPED = Path(__file__).resolve().parents[3] / "assets" / "traces" / "curves.json"
 MINE = "your requests"  # the choice of workload that replays the visitor's own
+REPLAY_MINE = "Replay my requests"
+MIN_BLOCKS = 2  # full pages the visitor's requests must fill for a replay of them to say anything
+DEFAULT_BLOCK = 16  # tokens per block of an empty trace (no engine to ask)
 OPTIMUM = "belady"
 POLICY_NAMES = {
     "lru": "LRU",
@@ -92,6 +97,33 @@ def load(path: Path = SHIPPED) -> list[Curves]:
     ]
 
 
+def step_ratio(curves: Curves) -> float:
+    """How much larger each replayed capacity is than the one before (the grid is log-spaced: about 1.5× on the
+    shipped curves), as the geometric mean over the grid."""
+    low, high, n = curves.capacities[0], curves.capacities[-1], len(curves.capacities)
+    return float((high / low) ** (1 / max(n - 1, 1)))
+
+
+def capacity_choices(curves: Curves) -> list[tuple[str, int]]:
+    """The capacity control's choices: the replayed capacities, log-spaced, each written with separators."""
+    return [(f"{c:,}", c) for c in curves.capacities]
+
+
+def full_blocks(trace: Trace) -> int:
+    """The full blocks (pages) a trace's prompts fill: what a cache could hold of them."""
+    return sum(trace.full_blocks(r) for r in trace.requests)
+
+
+def not_yet(blocks: int) -> str | None:
+    """Why Replay my requests cannot answer yet, for requests that fill ``blocks`` full pages; None: it can."""
+    if blocks >= MIN_BLOCKS:
+        return None
+    return (
+        f"your requests on this engine fill {blocks} full page{'s' if blocks != 1 else ''}, and a replay needs "
+        f"{MIN_BLOCKS}: run prompts longer than a page first"
+    )
+
+
 def tokens(blocks: int, block_size: int) -> str:
     """A capacity in tokens, in words: "2.9M tokens"."""
     n = blocks * block_size
@@ -103,13 +135,20 @@ def best_online(points: Sequence[Point]) -> Point:
 
 
 def summary(curves: Curves, capacity: int) -> str:
-    """What the chart says at ``capacity``, in words (the lesson step's claim is this, for the conversation trace)."""
+    """What the chart says at ``capacity``, in words (the lesson steps' claims are this): LRU, the default; ARC, the
+    policy the lesson compares it with; any other online policy only where it serves the most. The best online policy
+    is named so where it serves more than LRU."""
     points = {p.policy: p for p in curves.at(capacity)}
-    best = best_online(list(points.values()))
+    top = best_online(list(points.values())).hit_rate
+    lru = points["lru"].hit_rate if "lru" in points else None
     parts = [f"**{capacity:,} blocks** ({tokens(capacity, curves.block_size)}): LRU serves "]
-    parts.append(f"**{points['lru'].hit_rate:.1%}** of the prompt tokens" if "lru" in points else "n/a")
-    if best.policy != "lru":
-        parts.append(f", {POLICY_NAMES[best.policy]} (the best online policy here) {best.hit_rate:.1%}")
+    parts.append(f"**{lru:.1%}** of the prompt tokens" if lru is not None else "n/a")
+    shown = [points["arc"]] if "arc" in points else []
+    if not shown or shown[0].hit_rate < top:  # another policy serves the most: it is named too (the first, on a tie)
+        shown += [p for p in points.values() if p.policy not in ("lru", "arc", OPTIMUM) and p.hit_rate == top][:1]
+    for p in shown:
+        best = " (the best online policy here)" if p.hit_rate == top and (lru is None or top > lru) else ""
+        parts.append(f", {POLICY_NAMES[p.policy]}{best} {p.hit_rate:.1%}")
     if OPTIMUM in points:
         parts.append(f", the optimum {points[OPTIMUM].hit_rate:.1%}")
     parts.append(f"; a cache that never evicts serves {curves.ceiling:.1%}.")
@@ -156,9 +195,16 @@ TABLE_COLUMNS = ["policy", "hit rate %", "prompt tokens served", "evictions", "o
 
 
 def rows_at(curves: Curves, capacity: int) -> list[list[object]]:
-    """What each policy keeps at ``capacity``: one row each, in ``TABLE_COLUMNS`` order, best first."""
+    """What each policy keeps at ``capacity``: one row each, in ``TABLE_COLUMNS`` order, best first; counts written
+    with thousands separators ("1,234,567"), as every number of the lab's view."""
     points = sorted(curves.at(capacity), key=lambda p: -p.hit_rate)
     return [
-        [POLICY_NAMES.get(p.policy, p.policy), round(100 * p.hit_rate, 2), p.hit_tokens, p.evictions, p.orphans]
+        [
+            POLICY_NAMES.get(p.policy, p.policy),
+            round(100 * p.hit_rate, 2),
+            f"{p.hit_tokens:,}",
+            f"{p.evictions:,}",
+            f"{p.orphans:,}",
+        ]
         for p in points
     ]

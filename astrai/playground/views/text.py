@@ -12,7 +12,9 @@ from astrai.playground.backends.protocol import EngineView
 from astrai.playground.views import causes
 
 MAX_HIGHLIGHT_TOKENS = 300
-SPECIAL_TOKEN_TEXT = "⟨s⟩"
+# How a special token (the start-of-text token every prompt begins with) is written: "<s>", as SentencePiece names the
+# start token; "⟨s⟩" read as "(s)" in the page's font. Every view escapes it (it is text, never markup).
+SPECIAL_TOKEN_TEXT = "<s>"
 # then one column per cause of ``causes.TABLE_CAUSES`` (the first, "cached", is the engine's own cached tokens),
 # the tokens recomputed after preemptions (counted apart), and the run's figures
 TABLE_COLUMNS = [
@@ -65,6 +67,15 @@ def badge(info: RequestInfo | None, caching: bool = True, why: Explanation | Non
     return " · ".join(parts)
 
 
+HALVES = ("caching on", "caching off")  # a Compare's two halves, as the badges and the table label them
+
+
+def compared_badge(on: str, off: str) -> str:
+    """A panel's badge after a Compare: each half's figures, each labelled (a half with no request says nothing)."""
+    halves = zip(HALVES, (on, off), strict=True)
+    return "  \n".join(f"**{half.capitalize()}:** {badge}" for half, badge in halves if badge)
+
+
 Decode = Callable[[Sequence[int]], str]
 
 
@@ -95,9 +106,11 @@ def request_rows(
     prompts: Sequence[str],
     caching: bool = True,
     whys: Sequence[Explanation | None] = (),
+    half: str = "",
 ) -> list[list]:
     """One table row per panel that has a request, in ``TABLE_COLUMNS`` order: its tokens by cause (``whys``, where
-    explained; else the cached tokens alone), "off" for cached where its engine does not cache."""
+    explained; else the cached tokens alone), "off" for cached where its engine does not cache. ``half``: which half
+    of a Compare the rows are (``HALVES``), said beside each panel's number ("1 (caching on)")."""
     rows = []
     for i, info in enumerate(infos):
         if info is None:
@@ -105,7 +118,8 @@ def request_rows(
         why = whys[i] if i < len(whys) else None
         by_cause: list[int | str | None] = list(causes.columns(why))
         by_cause[0] = (info.cached_tokens if why is None else by_cause[0]) if caching else "off"
-        row: list[int | float | str | None] = [i + 1, prompts[i][:40], info.status, info.prompt_tokens, *by_cause]
+        panel: int | str = f"{i + 1} ({half})" if half else i + 1
+        row: list[int | float | str | None] = [panel, prompts[i][:40], info.status, info.prompt_tokens, *by_cause]
         row += [info.generated_tokens, round(info.ttft, 3) if info.ttft is not None else None]
         row += [round(info.tokens_per_s, 1) if info.tokens_per_s else None, info.preemptions]
         rows.append(row)
@@ -205,9 +219,8 @@ def run_summary(infos: Sequence[RequestInfo | None]) -> RunSummary | None:
     )
 
 
-def savings_note(on: RunSummary | None, off: RunSummary | None, small_model: bool, bigger_model: bool) -> str:
-    """The sentence under the savings chart: the token counts, why the times may differ little, and what total
-    time would not show (``bigger_model``: a larger model can be loaded here)."""
+def savings_note(on: RunSummary | None, off: RunSummary | None, small_model: bool) -> str:
+    """The sentence under the savings chart: the token counts the chart draws, and why no time is compared."""
     if on is None:
         return "Run a batch, then press **Compare with caching off** to run the same prompts without the cache."
     served = on.prompt_tokens - on.computed_tokens + (on.recomputed_tokens or 0)
@@ -220,12 +233,11 @@ def savings_note(on: RunSummary | None, off: RunSummary | None, small_model: boo
         return line + " Press **Compare with caching off** for the other side."
     line += f" Without it, **{off.computed_tokens}** were computed."
     line += (
-        " The time to first token follows the prefill work; total time is not compared, since it is mostly decoding, "
-        "which caching does not change (and the two halves ran one after the other on a shared machine)."
+        " Times are not compared: the two halves ran one after the other, so each panel's time to first token (in "
+        "the badges) also says what else the machine was doing then; total time is mostly decoding, which caching "
+        "does not change."
     )
     if small_model:
-        line += " The embedded model is tiny, so prefill costs little next to each step's fixed cost, and the TTFTs "
-        line += "differ little: the token count is the work saved."
-        if bigger_model:
-            line += " Load a larger model (Engine settings) to see the time follow the tokens."
+        line += " On the tiny embedded model a prompt's prefill is a small part of a step: the token count is the "
+        line += "work saved."
     return line

@@ -38,6 +38,8 @@ class TreeNode:
     def label(self) -> str:
         if self.kind == "others":
             return f"{len(self.pages)} other pages (earlier runs, other sessions)"
+        if self.kind == "evicted":  # whose it was is not kept with the event: its tokens are shown to nobody
+            return f"{len(self.pages)} pages evicted" if len(self.pages) > 1 else "evicted"
         if any(t is None for t in self.texts):
             text = "other session"
         else:
@@ -54,7 +56,7 @@ class Tree:
     cached: int
     evicted: int  # ghosts drawn
     focused: int | None = None  # with a focus: the focused run's pages drawn (the rest are in ``others``)
-    others: int = 0  # indexed pages gathered into the "other pages" node
+    others: int = 0  # indexed pages gathered into the "other pages" node: ``focused + others == pages``
 
 
 OTHERS = "others"
@@ -97,14 +99,16 @@ def prefix_tree(
         if node.parent != ROOT and node.parent not in nodes:
             node.parent = ROOT  # its parent left before it (a clear): hang it on the root
     focused, others = None, 0
-    if focus is not None:
+    if focus is not None:  # the run's indexed pages drawn, the rest gathered; every ghost drawn
         kept = _with_ancestors({k for k, used in used_by.items() if used}, nodes)
-        kept |= {k for k, n in nodes.items() if n.kind == "evicted" and (n.parent == ROOT or n.parent in kept)}
-        gathered = [n for k, n in nodes.items() if k not in kept]
-        nodes = {k: n for k, n in nodes.items() if k in kept}
+        gathered = {k: n for k, n in nodes.items() if k not in kept and n.kind != "evicted"}
+        for ghost in (n for n in nodes.values() if n.kind == "evicted" and n.parent in gathered):
+            ghost.parent = OTHERS  # it chained from a page gathered with the others
+        nodes = {k: n for k, n in nodes.items() if k not in gathered}
         focused, others = len([n for n in nodes.values() if n.kind != "evicted"]), len(gathered)
         if gathered:
-            nodes[OTHERS] = TreeNode(OTHERS, ROOT, "others", None, None, [p for n in gathered for p in n.pages], [])
+            pages = [p for n in gathered.values() for p in n.pages]
+            nodes[OTHERS] = TreeNode(OTHERS, ROOT, "others", None, None, pages, [])
     ordered = _collapse(nodes) if len(nodes) > COLLAPSE_OVER else list(nodes.values())
     ghosts = sum(n.kind == "evicted" for n in nodes.values())
     return Tree(ordered, *whole, ghosts, focused, others)
