@@ -46,8 +46,8 @@ def request(session: str, **query: str) -> Any:
     return SimpleNamespace(session_hash=session, query_params=query)
 
 
-def step_of(title_start: str) -> int:
-    return next(i for i, step in enumerate(LESSON.steps) if step.title.startswith(title_start))
+def step_of(title: str) -> int:
+    return next(i for i, step in enumerate(LESSON.steps) if step.title == title)
 
 
 @dataclass
@@ -98,7 +98,7 @@ def klass(engines) -> Class:
     ctx = Context(engines, Visitors(engines.default), ui, StreamingRuns(), LESSON, Classroom())
     teacher = TeacherCallbacks(ctx, KEY, views, banner)
     runs = RunCallbacks(ctx)
-    return Class(ctx, teacher, runs, LiveCallbacks(ctx, runs, teacher), SetupCallbacks(ctx))
+    return Class(ctx, teacher, runs, LiveCallbacks(ctx, runs, teacher), SetupCallbacks(ctx, runs))
 
 
 def elem_ids(demo: gr.Blocks) -> set[str]:
@@ -173,7 +173,7 @@ def test_the_class_panel_counts_a_known_sequence_of_runs_and_shows_no_visitors_t
     for session in ("a", "b", "c"):
         klass.open_page(session)
     klass.run("a", LESSON.steps[0].scenario, prompt_4=f"One day, {SECRET_WORD} the bird")
-    compare = step_of("6.")
+    compare = step_of("Caching off versus on")
     klass.go_to("b", compare)
     klass.run("b", LESSON.steps[compare].scenario, compare=True)
     klass.setup.load_scenario("Follow-up turn", request("c"), no_progress)  # C's own choice, off the lesson
@@ -232,7 +232,7 @@ def test_the_call_reaches_each_visitors_page_once_as_a_banner_and_nothing_else(k
     klass.open_page("teacher", teacher=KEY)
     klass.open_page("here")
     klass.open_page("there")
-    eviction = step_of("3.")
+    eviction = step_of("Eviction costs hits")
     klass.go_to("there", eviction)
     klass.cursors = {session: settled(klass, session) for session in ("here", "there", "teacher")}
     assert banner.row not in tick(klass, "here"), "no call yet"
@@ -250,7 +250,7 @@ def test_the_call_reaches_each_visitors_page_once_as_a_banner_and_nothing_else(k
     index = followed[klass.ctx.ui.setup.lesson_step]
     loaded = klass.setup.lesson(index, 1, request("here"), no_progress)
     assert loaded[klass.ctx.ui.setup.lesson_step] == eviction
-    assert f"Lesson {eviction + 1}/{len(LESSON.steps)}" in loaded[klass.ctx.ui.setup.note]
+    assert f"Lesson {eviction + 1}/{LESSON.length}" in loaded[klass.ctx.ui.setup.note]
 
 
 def test_the_classroom_forgets_pages_that_stop_polling_and_calls_that_grew_old():
@@ -297,7 +297,7 @@ def test_browser_the_key_opens_presenter_mode_and_the_class_follows_the_banner(t
     from tools.loadtest import launch_app
 
     ARTIFACTS.mkdir(exist_ok=True)
-    eviction = step_of("3.")
+    eviction = step_of("Eviction costs hits")
     with launch_app({"ASTRAI_TEACHER_KEY": KEY}, log_path=ARTIFACTS / "teacher-app.log") as url:
         with open_visitors(url, 2, viewport=(1366, 768)) as (visitor, wrong):
             wrong.goto(f"{url}?teacher={KEY[:-1]}z")

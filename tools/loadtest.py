@@ -773,7 +773,7 @@ class LockstepReport:
             if "nothing promised" in f["promise"]:
                 promise = "n/a (the text promises nothing of the run)"
             out.append(
-                f"{s.title[:40]:<40} {s.round + 1:>3} {'+'.join(s.presses):<19} {ttft:<23} {runs:<16}"
+                f"{f'{s.step}. {s.title}'[:40]:<40} {s.round + 1:>3} {'+'.join(s.presses):<19} {ttft:<23} {runs:<16}"
                 f" {s.seconds:>7.1f} {f['errors']:>4} {shown:>9}  {promise}"
             )
         if self.rounds > 1:
@@ -781,7 +781,7 @@ class LockstepReport:
             for step in dict.fromkeys(s.step for s in self.steps):
                 rounds = [s for s in self.steps if s.step == step]
                 p95s = [pct(s.ttfts, 95, "inclusive") for s in rounds]
-                out.append(f"  {rounds[0].title:<44} {spread_of(p95s)}")
+                out.append(f"  {f'{step}. {rounds[0].title}':<44} {spread_of(p95s)}")
         for s in self.steps:
             out.append(f"step {s.step}, round {s.round + 1}: on {s.engine}")
             f = s.summary()

@@ -201,7 +201,7 @@ class AppSoakReport:
         ]
         out.append(f"{'step':<48} {'visits':>6} {'runs':>5} {'never-seen':>10} {'errors':>6} {'unknown (n-s)':>13}")
         for step, s in sorted(self.steps.items()):
-            title = LESSON[step - 1].title[:48]
+            title = f"{step}. {LESSON[step - 1].title}"[:48]
             unknown = f"{s.unknown_tokens} ({s.unknown_never_seen})"
             out.append(f"{title:<48} {s.visits:>6} {s.runs:>5} {s.never_seen_runs:>10} {s.errors:>6} {unknown:>13}")
         warm = f["after_warm_up"]
