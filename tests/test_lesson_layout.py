@@ -34,7 +34,7 @@ ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 LESSON = Lesson.for_deployment(routers=0)
 WIDTH, HEIGHT = 1366, 768
 WAIT_MS = 60_000
-BUTTONS = {"run": "run_btn", "follow_up": "follow_btn", "compare": "compare_btn"}  # promises.presses -> elem_id
+BUTTONS = {"run": "run_btn", "follow_up": "follow_btn", "compare": "compare_btn", "replay_mine": "sizing_mine"}
 BOXES_JS = """
 ids => Object.fromEntries(ids.map(id => {
   const e = document.getElementById(id);

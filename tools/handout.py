@@ -82,12 +82,12 @@ def readme_steps(steps: Sequence[LessonStep]) -> str:
 
 
 HANDOUT_STYLE = """
-@page { size: auto; margin: 11mm 13mm; }
-body { font: 8.5pt/1.3 "DejaVu Sans", "Helvetica", "Arial", sans-serif; color: #111; margin: 0; }
+@page { size: auto; margin: 9mm 11mm; }
+body { font: 7.8pt/1.25 "DejaVu Sans", "Helvetica", "Arial", sans-serif; color: #111; margin: 0; }
 h1 { font-size: 13pt; margin: 0 0 3pt; }
 p { margin: 0 0 5pt; }
 ol { margin: 0; padding: 0; list-style: none; columns: 2; column-gap: 8mm; }
-li { margin: 0 0 5pt; break-inside: avoid; }
+li { margin: 0 0 4pt; break-inside: avoid; }
 .ask { font-style: italic; margin-top: 1pt; }
 .ask::before { content: "Question: "; font-style: normal; font-weight: bold; }
 .line { border-bottom: 0.6pt dotted #888; height: 11pt; }

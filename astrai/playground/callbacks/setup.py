@@ -37,7 +37,7 @@ HIGHLIGHT_JS = """
   view.style.outline = '3px solid #f59e0b';
   const toggle = view.querySelector(':scope > .label-wrap');  // an accordion: opened
   if (toggle && !toggle.classList.contains('open')) toggle.click();
-  if (!PLACE) return;
+  if (!PLACE || document.getElementById('astrai_presenter')) return;  // presenter mode: nothing moves by itself
   const bar = document.getElementById('lesson_bar');
   const place = () => window.scrollBy(
     {top: view.getBoundingClientRect().top - bar.getBoundingClientRect().bottom - 8, behavior: 'instant'});
@@ -65,8 +65,8 @@ def highlight_js(lesson: Lesson, place: bool = True) -> str:
     The step's own updates land around the same time (the panels shown, the live view's charts drawn anew), moving
     what is above the view: so the view is placed again at each change of the page's size for ``SETTLE_MS``, until
     the visitor scrolls, clicks or types, or the next step's hook takes over (``window.__lessonPage`` says which page
-    was placed, and whether it still is being placed). ``place=False``: the outline alone (a fresh page stays at its
-    top)."""
+    was placed, and whether it still is being placed). ``place=False``, or the teacher's presenter mode
+    (``ui/teacher.py``): the outline alone (a fresh page stays at its top; a projected page never moves by itself)."""
     values = {"IDS": json.dumps(lesson.look_at()), "PLACE": json.dumps(place), "SETTLE_MS": str(SETTLE_MS)}
     return re.sub(r"\b(IDS|PLACE|SETTLE_MS)\b", lambda m: values[m.group(1)], HIGHLIGHT_JS)
 

@@ -5,8 +5,9 @@ carries the key, the banner when the teacher calls the class to a step (``callba
 Presenter mode is the teacher's page restyled in the browser (``PRESENTER_JS``: no stylesheet is shipped to anyone
 else): larger fonts; the page map's column (page map, occupancy, stats) below the panels, the page's full width, so
 its cells are about twice as large (Plotly redraws to its container's width; a resize event tells it); the lesson's
-note pinned to the bottom of the screen; and nothing scrolls the page by itself (``scrollIntoView`` is a no-op while
-it is on, so the lesson's highlight outlines a view without moving the page under the teacher).
+note pinned to the bottom of the screen; and nothing scrolls the page by itself (the lesson's highlight,
+``callbacks/setup.py``'s ``highlight_js``, outlines a view without placing it while this style is on, so the page
+never moves under the teacher).
 """
 
 from __future__ import annotations
@@ -41,11 +42,9 @@ PRESENTER_CSS = """
 """
 PRESENTER_JS = (
     "(on) => { document.getElementById('astrai_presenter')?.remove();"
-    " if (window.astraiScroll) { Element.prototype.scrollIntoView = window.astraiScroll; window.astraiScroll = null; }"
     " if (!on) { window.dispatchEvent(new Event('resize')); return; }"
     " const style = document.createElement('style'); style.id = 'astrai_presenter';"
     f" style.textContent = {json.dumps(PRESENTER_CSS)}; document.head.append(style);"
-    " window.astraiScroll = Element.prototype.scrollIntoView; Element.prototype.scrollIntoView = function () {};"
     " window.dispatchEvent(new Event('resize')); }"
 )
 # Once the page has opened, the key leaves the address bar (a projected page would show it to the class).
