@@ -65,8 +65,8 @@ ENGINE_IDLE_S = Knob("ASTRAI_ENGINE_IDLE_S", 600, 1, 86_400 * 365, integer=False
 MAX_BATCH_SIZE = int(Knob("ASTRAI_MAX_BATCH_SIZE", 128, 1, MAX_BATCH).read())
 RUN_CONCURRENCY = int(Knob("ASTRAI_RUN_CONCURRENCY", 32, 1, 1024).read())  # runs streaming at once
 QUEUE_SIZE = int(Knob("ASTRAI_QUEUE_SIZE", 64, 1, 100_000).read())  # waiting events past this: "queue is full"
-# the default engine's reserve for visitors' own small pools (the lesson's pool-pressure steps): 2048 pages hold 41
-# visitors' pools of both sizes (40 + 9 pages), 96 MiB of the embedded model's KV in float32; past it, a visitor
-# shares the step's one pool with everyone else there
+# the default engine's reserve for visitors' own small pools (the lesson's pool-pressure steps): 2048 pages hold 51
+# visitors' 40-page pools (a visitor holds one at a time), 96 MiB of the embedded model's KV in float32; past it, a
+# visitor shares the step's one pool with everyone else there
 TENANT_PAGES = int(Knob("ASTRAI_TENANT_PAGES", 2048, 0, 65_536).read())
 TEACHER_KEY = teacher_key()
