@@ -55,10 +55,11 @@ BATCH_HINT = 8  # rows oneDNN tunes the packed layout for; any row count works
 # oneDNN keeps a primitive for each shape it has multiplied (each row count, for each weight shape), and torch's
 # ideep layer keeps an LRU of its own over them: 1,024 entries each by default. A serving engine meets every row
 # count from ``SKINNY_ROWS`` + 1 to its batch in decode steps, and any in prefills, so both fill up, and on the
-# embedded model an entry holds about 0.3 MiB: over one lesson walked by a class of 30, the playground's native heap
+# embedded model an entry holds about 0.36 MiB: over one lesson walked by a class of 30, the playground's native heap
 # grew by about 450 MiB (glibc's ``malloc_stats``; all of it in use, none of it Python's). 256 entries each bound
-# that near 130 MiB; a row count evicted from both costs about 0.8 ms per weight shape to build again (measured on
-# a 2-core Intel Xeon with AMX). Read once, at oneDNN's first primitive: set here, on import, before any product.
+# that near 110 MiB (measured); a row count evicted from both costs about 0.8 ms per weight shape to build again
+# (measured on a 2-core Intel Xeon with AMX). Read once, at oneDNN's first primitive: set here, on import, before
+# any product.
 ONEDNN_CACHE_ENTRIES = "256"
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ONEDNN_CACHE_ENTRIES)
 os.environ.setdefault("LRU_CACHE_CAPACITY", ONEDNN_CACHE_ENTRIES)  # ideep's (and torch's mkldnn weight caches)

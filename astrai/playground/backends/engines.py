@@ -47,8 +47,8 @@ from astrai.playground.backends.protocol import BackendError, EngineLimitReached
 
 log = logging.getLogger("astrai.playground")
 # What a visitor's own pool keeps of its past, sized to one visitor rather than to the pool everyone shares (a class
-# of 30 holds 60 of them): its steps (a run of the lesson's small pools takes ~200), its events, its ended requests
-# (a run has at most 6) and the keys its explanations read.
+# of 30 holds 30 of them, one each): its steps (a run of the lesson's small pools takes ~200), its events, its ended
+# requests (a run has at most 6) and the keys its explanations read.
 OWN_POOL_OBSERVATION = {"history_size": 1024, "event_log_size": 1024, "keep_finished": 64, "explain_keys": 1024}
 # An own pool idle this long is taken back when the reserve is full and another visitor needs one: longer than a
 # student reads a step's note between two presses, far shorter than the 600 s an engine is kept.
@@ -188,7 +188,7 @@ class LocalEngines:
             given_back = []
             for profile in theirs:
                 slot = self._slots[profile]
-                if slot.runs > 0 or slot.backend is None:  # running, or still being built: goes when it is free
+                if slot.runs > 0 or slot.backend is None:  # running or being built: goes as its last run ends, or idle
                     slot.released = True
                 else:
                     given_back.append(self._slots.pop(profile))
