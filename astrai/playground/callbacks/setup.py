@@ -325,11 +325,15 @@ class SetupCallbacks:
             cancels=self.runs.streams,
         )
         lesson_outputs = [setup.lesson_step, setup.scenario, setup.lesson_prev, setup.lesson_next, setup.restart]
-        moves = [(setup.lesson_prev, fixed(self.lesson, delta=-1)), (setup.lesson_next, fixed(self.lesson, delta=1))]
-        for button, move in moves:
+        moves = [
+            (setup.lesson_prev, fixed(self.lesson, delta=-1), setup.lesson_step),
+            (setup.lesson_next, fixed(self.lesson, delta=1), setup.lesson_step),
+            (setup.restart, self.restart, None),
+        ]
+        for button, move, step in moves:
             button.click(
                 move,
-                setup.lesson_step,
+                step,
                 [*lesson_outputs, *scenario_outputs],
                 api_visibility="private",
                 concurrency_limit=4,
@@ -337,16 +341,6 @@ class SetupCallbacks:
                 show_progress_on=marked,
                 cancels=self.runs.streams,
             ).then(fn=None, inputs=setup.note, js=highlight_js(self.ctx.lesson))
-        setup.restart.click(
-            self.restart,
-            None,
-            [*lesson_outputs, *scenario_outputs],
-            api_visibility="private",
-            concurrency_limit=4,
-            concurrency_id="setup",
-            show_progress_on=marked,
-            cancels=self.runs.streams,
-        ).then(fn=None, inputs=setup.note, js=highlight_js(self.ctx.lesson))
         demo.load(fn=None, inputs=setup.note, js=highlight_js(self.ctx.lesson, place=False))  # the first step outlined
         engine.shared_pools.input(
             self.share_pools,
