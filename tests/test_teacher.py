@@ -311,13 +311,17 @@ def test_browser_the_key_opens_presenter_mode_and_the_class_follows_the_banner(t
                 assert not page.locator("#teacher_view").is_visible() and not page.locator("#class_panel").is_visible()
             wide, narrow = (p.locator("#page_map").bounding_box()["width"] for p in (teacher, visitor))
             assert wide > 2 * narrow, f"presenter mode: a larger page map ({wide} px wide, a visitor's {narrow})"
+            # polled by the clock, not by animation frames: a page drawn in the background may get none (in CI at
+            # df13fe2, the first wait here saw none for 30 s)
             for number in range(2, eviction + 2):  # pressed from a script: a click by Playwright would scroll to it
                 teacher.evaluate("document.getElementById('lesson_next').click()")
                 teacher.wait_for_function(
-                    f"document.querySelector('#scenario_note').innerText.includes('Lesson {number}/')"
+                    f"document.querySelector('#scenario_note').innerText.includes('Lesson {number}/')", polling=250
                 )
             look_at = LESSON.steps[eviction].look_at  # below the fold: a visitor's page scrolls to it
-            teacher.wait_for_function(f"document.getElementById('{look_at}').style.outline.includes('solid')")
+            teacher.wait_for_function(
+                f"document.getElementById('{look_at}').style.outline.includes('solid')", polling=250
+            )
             assert teacher.evaluate("window.scrollY") == 0, "presenter mode: the lesson's highlight scrolls nothing"
             teacher.locator("#class_step input").click()
             teacher.get_by_role("option", name=re.compile(f"^step {eviction + 1}:")).click()
@@ -331,7 +335,9 @@ def test_browser_the_key_opens_presenter_mode_and_the_class_follows_the_banner(t
             # the class panel: the visitor on the called step, the wrong key's page still on step 1
             expected = ["1" if i in (0, eviction) else "0" for i in range(len(LESSON.steps))]
             compact = json.dumps(expected, separators=(",", ":"))  # as JSON.stringify writes it
-            teacher.wait_for_function(f"JSON.stringify({OPEN_PAGES_JS}) === {json.dumps(compact)}", timeout=10000)
+            teacher.wait_for_function(
+                f"JSON.stringify({OPEN_PAGES_JS}) === {json.dumps(compact)}", timeout=10000, polling=250
+            )
             teacher.screenshot(path=str(ARTIFACTS / "teacher.png"))
         image = tmp_path / "playground.png"  # its own browser: Playwright's sync API does not nest
         assert screenshot.main(["--url", url, "--out", str(image)]) == 0
