@@ -316,7 +316,7 @@ class Arc(EvictionPolicy):
             self.p = max(0.0, self.p - max(len(b1) / len(b2), 1.0))
             del b2[key]
             return _Miss.GHOST_B2
-        t1 = self.t1_size
+        t1 = len(self._resident) - len(self._frequent)
         if t1 + len(b1) >= c:
             if t1 >= c:
                 return _Miss.NEW_T1_FULL  # every page of the pool is in T1, so an eviction follows
@@ -351,17 +351,18 @@ class Arc(EvictionPolicy):
 
     def victim(self, incoming: Hashable | None = None) -> int:
         miss = self._incoming.get(incoming) if incoming is not None else None
+        resident, frequent = self._resident, self._frequent
         ghosts: OrderedDict[Hashable, None] | None
         if miss is _Miss.NEW_T1_FULL:
             queue, ghosts = self._t1, None
-        elif self._from_t1(self.t1_size, bool(self._t1), bool(self._t2), tie=miss is _Miss.GHOST_B2):
+        elif self._from_t1(len(resident) - len(frequent), bool(self._t1), bool(self._t2), miss is _Miss.GHOST_B2):
             queue, ghosts = self._t1, self._b1
         else:
             queue, ghosts = self._t2, self._b2
         page = queue.popitem(last=False)[0]
-        key = self._resident.pop(page)
-        self._keys.discard(key)
-        self._frequent.discard(page)
+        key = resident.pop(page)
+        self._keys.remove(key)
+        frequent.discard(page)
         if ghosts is not None:
             ghosts[key] = None
         return page
