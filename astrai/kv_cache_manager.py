@@ -64,7 +64,7 @@ class KVCacheManager:
         for page in hits:
             self.pool.acquire(page)
         req.pages = list(hits)
-        req.pages.extend(self.pool.allocate(req.id) for _ in range(need))
+        self._allocate(req, need)
         req.indexed_pages = len(hits)
         req.num_computed = hit
         readmission = req.cached_tokens is not None
@@ -104,8 +104,18 @@ class KVCacheManager:
         if need > self.pool.available:
             return False
         if need > 0:  # a decode step mostly has a page to write into already
-            req.pages.extend(self.pool.allocate(req.id) for _ in range(need))
+            self._allocate(req, need)
         return True
+
+    def _allocate(self, req: Request, need: int) -> None:
+        """Append ``need`` fresh pages, each named to the pool by the chain key it will be registered under where its
+        tokens are known to fill it (a prompt's full pages): the eviction policy hears of the miss before it picks a
+        victim (ARC adapts to its ghosts so)."""
+        first = len(req.pages)
+        full = min(len(req.token_ids) // self.page_size, first + need) if self.prefix_caching else 0
+        keys = self._keys(req, full) if full > first else []
+        for i in range(first, first + need):
+            req.pages.append(self.pool.allocate(req.id, keys[i] if i < full else None))
 
     def mark_pending(self, req: Request, total_tokens: int) -> None:
         """Offer the pages this step's forward will complete to requests admitted later in the same step."""
