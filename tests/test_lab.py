@@ -316,6 +316,8 @@ def test_a_request_that_ended_with_no_prompt_is_left_out_of_a_trace_of_requests(
     )
     assert [r.input_length for r in trace.requests] == [39, 39]
     assert Replay(trace).run("lru", 3).hit_tokens == 32
+    with pytest.raises(ValueError, match="request 1 has no prompt tokens"):
+        Replay(Trace((trace.requests[0], TraceRequest(1, 0, 1, ())), 16))
 
 
 def test_a_replay_s_memory_follows_the_trace_not_the_capacity():

@@ -12,10 +12,11 @@ Is it optimal here? The classic proof is for items that hit on their own; here a
 prefix is cached too. MIN keeps its cache closed under prefixes, though: a request that can reuse a block can reuse
 its parent, so a parent's next reuse is never later than its child's, and ties go to the deeper block, so MIN never
 evicts a parent before its child and every cached block a request can reuse hits. Under the replay's ``"engine"``
-semantics it evicts at allocation, among the cached pages the running request does not hold (a parent the request
-holds has its children in the request too, or no reuse before theirs). ``tests/test_lab.py`` checks Belady >= every
-online policy at every capacity, under both semantics, on random traces whose ids chain and on traces whose ids do
-not (hypothesis); no counterexample turned up in 9,000 chained traces searched while writing it.
+semantics it evicts at allocation, among the cached pages the running request does not hold; what a request holds
+from the cache is a leading run of its chain, so a held block's parent is held too and the same argument holds.
+``tests/test_lab.py`` checks Belady >= every online policy at every capacity, under both semantics, on random traces
+whose ids chain and on traces whose ids do not (hypothesis); no counterexample turned up in 9,000 chained traces
+searched while writing it.
 """
 
 from __future__ import annotations

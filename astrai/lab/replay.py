@@ -85,6 +85,9 @@ class Replay:
     """One trace, prepared once (chain keys, Belady's future), replayed under any policy, capacity and semantics."""
 
     def __init__(self, trace: Trace) -> None:
+        empty = next((i for i, r in enumerate(trace.requests) if r.input_length < 1), None)
+        if empty is not None:  # read_trace refuses such a line; a Trace built in code may still hold one
+            raise ValueError(f"request {empty} has no prompt tokens: a request to replay has at least one")
         self.trace = trace
         self.full = [trace.full_blocks(r) for r in trace.requests]
         self.headroom = max((len(r.hash_ids) for r in trace.requests), default=1)  # pages of the longest request
@@ -113,7 +116,7 @@ class Replay:
     def refused(self, capacity: int | None, semantics: Semantics = "engine") -> tuple[int, ...]:
         """The requests an engine with a pool of ``capacity`` pages refuses: their prompt and the one token they
         sample do not fit in it (``InferenceEngine`` refuses a prompt whose tokens and ``max_tokens`` need more KV
-        than the whole pool holds). None under ``"trace"`` semantics or without a bound."""
+        than the whole pool holds). None are under ``"trace"`` semantics or without a bound."""
         if semantics == "trace" or capacity is None:
             return ()
         room = capacity * self.trace.block_size
