@@ -22,7 +22,9 @@ How a trace drives the engine's cache code (the code paths are the engine's; onl
     page evicts the policy's victim then, while the request's own pages (its hits and the pages allocated before)
     are in use and cannot be evicted. A request whose prompt and the one token it samples need more than the whole
     pool (``input_length + 1 > C * block_size``) is refused, as the engine refuses it: it is served nothing and
-    changes nothing (``refused`` counts them). ``tests/test_lab.py`` runs request sequences through the engine and
+    changes nothing (``refused`` counts them). A prompt is admitted whole, as by an engine whose token budget
+    (``max_batched_tokens``) holds it: with chunked prefill, ARC, which adapts at registration, may pick other
+    victims for the later chunks. ``tests/test_lab_engine.py`` runs request sequences through the engine and
     through this replay at several pool sizes and compares each request's hit.
   - ``"trace"``: **capacity C counts cached blocks after each request**, as Mooncake's Figure 9 does. A request is
     admitted from headroom for the trace's longest request (an allocation never evicts), all its full blocks are
