@@ -169,7 +169,7 @@ class Fifo(HeapPolicy):
 
     A chain is registered head first, so FIFO evicts a chain's head before its tail and strands the rest (cached
     pages whose parent is gone serve nothing until the parent is computed again). So it trails LRU at every capacity of
-    ``curves.json`` but two, both on the synthetic trace: at 3,684 blocks it is ahead (22.88 against 22.80%), and at
+    ``curves.json`` but two, both on the synthetic trace: at 3,684 pages it is ahead (22.94 against 22.80%), and at
     50,000 both reach the ceiling.
     """
 
@@ -251,17 +251,18 @@ class Arc(EvictionPolicy):
       (``tests/test_eviction.py`` checks it against a transcription of Fig. 4, hit for hit and page for page).
     * **The lab's replay where it trims to the capacity after each request** (``astrai.lab.replay``: a pool of the
       capacity plus room for the longest request, so an allocation never evicts): c is that whole pool, not the
-      capacity, and a trim may evict a block the request has just computed. The README's lab table is of that.
+      capacity, and a trim may evict a block the request has just computed (``semantics="trace"``; the default
+      replay is an engine's pool of the capacity, as above).
     * **Iteration** (``lru_rank``) is the order of evictions on demand; an allocation whose key is a B2 ghost may
       take T1's page first by the tie rule.
 
     Why ARC: on the conversation trace, blocks reused once are far likelier to be reused again (a conversation that
     came back comes back), so keeping ``T2`` apart from one-off blocks beats plain recency where the cache is small.
-    Token hit rates, LRU -> ARC (``python -m astrai.lab``), conversation trace: 4.59 -> 5.78% at 1,000 blocks,
-    14.37 -> 15.55% at 5,859, but 29.95 -> 29.86% at 20,000 and 36.32 -> 35.29% at 50,000 (LRU is better from
-    between 19,000 and 19,500 blocks on: a cache that large serves long-gap conversations, whose blocks sit in
-    ``T1``); synthetic trace: 8.68 -> 8.67% (behind by 0.01 point), 32.10 -> 33.73%, 59.28 -> 60.67%, equal at
-    50,000 (the ceiling, 65.04%); ahead at every capacity of ``curves.json`` from 1,544 to 32,374. The other
+    Token hit rates, LRU -> ARC in an engine's pool of that many pages (``python -m astrai.lab``), conversation
+    trace: 4.59 -> 5.60% at 1,000 pages, 14.37 -> 15.44% at 5,859, but 29.95 -> 29.85% at 20,000 and 36.32 -> 35.29%
+    at 50,000 (LRU is better from between ``curves.json``'s 13,572 and 20,961 pages on: a cache that large serves
+    long-gap conversations, whose blocks sit in ``T1``); synthetic trace: 8.67 -> 9.44%, 32.10 -> 33.58%,
+    59.28 -> 60.71%, ahead at every capacity of ``curves.json`` below the ceiling (65.04%, both at 50,000). The other
     candidates, measured with a stand-alone simulation of the replay's rules (before ARC followed Fig. 4): S3-FIFO
     (10% small queue, ghosts, frequency capped at 3) 5.47 / 15.96 / 25.77 / 35.29% on the conversation trace, above
     LRU only below about 6,000 blocks; against this ARC, behind at 1,000 and 20,000 blocks and ahead at 5,859;

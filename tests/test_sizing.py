@@ -4,13 +4,17 @@ hold, a visitor's own requests replay on demand, and an engine can run under ano
 from __future__ import annotations
 
 import re
+from collections import Counter
 
+import gradio as gr
 import pytest
 
+from astrai.lab.__main__ import main
 from astrai.lab.replay import Replay
-from astrai.lab.trace import read_trace
-from astrai.playground.backends.profiles import EngineSettings
-from astrai.playground.scenarios import LESSON, sizing_claim
+from astrai.lab.trace import TraceRequest, read_trace, write_trace
+from astrai.playground.backends.profiles import EMBEDDED_LABEL, EngineSettings, Profile
+from astrai.playground.scenarios import LESSON, Lesson, sizing_claim
+from astrai.playground.ui.layout import build_layout
 from astrai.playground.views import charts, sizing
 from astrai.playground.views.series import series
 from tests.support.playground import no_progress, playground, request
@@ -96,3 +100,38 @@ def test_a_visitor_replays_their_own_requests_and_an_engine_runs_under_another_p
 def test_an_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="eviction must be one of"):
         EngineSettings(eviction="random").validate()
+
+
+def test_curves_with_a_capacity_of_0_show_and_answer(tmp_path, capsys):
+    """The lab accepts capacity 0 and writes it; the view places it (a log axis has no 0, so its points are in the
+    table only) and finds the nearest capacity around it."""
+    path = tmp_path / "t.jsonl"
+    write_trace(path, [TraceRequest(i, 5, 1, (1, 2, 3)) for i in range(3)], block_size=2)
+    assert main([str(path), "--capacity", "0,3,4", "--json", "--processes", "1"]) == 0
+    (tmp_path / "curves.json").write_text(capsys.readouterr().out)
+    (curves,) = sizing.load(tmp_path / "curves.json")
+    assert curves.capacities == [0, 3, 4] and curves.semantics == "engine"
+    assert [curves.nearest(c) for c in (0, 0.4, 1, 3.2, 100)] == [0, 0, 0, 3, 4]
+    assert sizing.step_ratio(curves) == pytest.approx(4 / 3)
+    figure = sizing.curve_chart(curves, 0)
+    assert all(0 not in trace.x for trace in figure.data)
+    assert "pages of an engine's pool" in figure.layout.xaxis.title.text
+    assert "3 of the 3 requests need more than the whole pool" in sizing.summary(curves, 0)
+    assert "need more" not in sizing.summary(curves, 3)
+    assert [row[1] for row in sizing.rows_at(curves, 0)] == [0.0] * len(curves.policies)
+
+
+def test_every_element_id_on_the_page_names_one_element():
+    """A script or a test finds a view by its id: each must name one element. Gradio writes a Group's elem_id on
+    two nested elements (its outer and inner div), so no Group may carry one."""
+    lesson = Lesson.for_deployment(routers=2)  # every view: the routing step's too
+    with gr.Blocks() as blocks:
+        build_layout(Profile(), [EMBEDDED_LABEL], False, lesson)
+    written = Counter(
+        block.elem_id
+        for block in blocks.blocks.values()
+        for _ in range(2 if isinstance(block, gr.Group) else 1)
+        if getattr(block, "elem_id", None)
+    )
+    assert [elem_id for elem_id, count in written.items() if count > 1] == []
+    assert all(step.look_at in written for step in lesson.steps)

@@ -1,9 +1,10 @@
 """``python -m astrai.lab TRACE [TRACE ...] [--capacity LIST] [--policy LIST] [--json]``: hit rate against capacity.
 
-Replays each trace through the real page pool (``replay.py``) under every policy at every capacity (cached blocks),
-plus once without a bound: the ceiling. Text: a table of token hit rates per policy and capacity, and one of the
-orphans left at the end (cached blocks whose parent is gone). ``--json``: one object per trace with its ``ceiling``
-and ``rows`` of ``policy``, ``capacity``, ``hit_rate``, ``hit_tokens``, ``evictions``, ``orphans``.
+Replays each trace through the real page pool (``replay.py``) under every policy at every capacity (``--semantics``:
+pages of an engine's pool, the default, or ``trace``: cached blocks after each request), plus once without a bound:
+the ceiling. Text: a table of token hit rates per policy and capacity, and one of the orphans left at the end
+(cached blocks whose parent is gone). ``--json``: one object per trace with its ``semantics``, its ``ceiling`` and
+``rows`` of ``policy``, ``capacity``, ``hit_rate``, ``hit_tokens``, ``evictions``, ``orphans``, ``refused``.
 
 The curves shipped for the playground are made by::
 
@@ -20,7 +21,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from astrai.lab.replay import REPLAY_POLICIES, Replay, ReplayResult, curve
+from astrai.lab.replay import CAPACITY_MEANING, REPLAY_POLICIES, SEMANTICS, Replay, ReplayResult, curve
 from astrai.lab.trace import read_trace
 
 
@@ -54,9 +55,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--capacity",
         type=_int_list,
         default=log_capacities(),
-        help="cached blocks, comma-separated (default: 10 on a log scale from 1,000 to 50,000)",
+        help="capacities (see --semantics), comma-separated (default: 10 on a log scale from 1,000 to 50,000)",
     )
     parser.add_argument("--policy", type=_policy_list, default=list(REPLAY_POLICIES), help="comma-separated")
+    parser.add_argument(
+        "--semantics",
+        choices=SEMANTICS,
+        default=SEMANTICS[0],
+        help="a capacity is an engine's pool of that many pages (engine), or that many cached blocks (trace)",
+    )
     parser.add_argument("--processes", type=int, default=None, help="replays in parallel (default: the CPUs)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     args = parser.parse_args(argv)
@@ -65,11 +72,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         started = time.perf_counter()
         prepared = Replay(read_trace(path))
         ceiling = prepared.run("lru", None)  # no eviction: every policy serves the same
-        rows = curve(prepared, args.policy, args.capacity, args.processes)
+        rows = curve(prepared, args.policy, args.capacity, args.processes, args.semantics)
         seconds = time.perf_counter() - started
         if args.json:
-            report.append(_trace_json(prepared, ceiling, rows))
+            report.append({"semantics": args.semantics} | _trace_json(prepared, ceiling, rows))
         else:
+            print(f"capacity: {CAPACITY_MEANING[args.semantics]}")
             _print_tables(prepared, ceiling, rows, args.capacity, seconds)
     if args.json:
         json.dump({"traces": report}, sys.stdout, indent=1)

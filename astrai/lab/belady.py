@@ -1,44 +1,51 @@
 """Belady's MIN for the trace replay: evict the cached block whose next reuse is furthest away.
 
 It needs the future, so it exists only here, as a policy the replay hands to the real ``PagePool`` (never an
-engine option). "Next reuse" of a block after request ``i`` is the first later request whose reusable blocks (its
-first ``(input_length - 1) // block_size`` ids) hold it; a block no later request can reuse is evicted first. Ties
-go to the later position in the chain (a chain's tail before its head, so fewer blocks are stranded), then to the
-lower page number.
+engine option). "Next reuse" of a block after request ``i`` is the first later request (of those that run: a request
+the pool refuses reuses nothing) whose reusable blocks (its first ``(input_length - 1) // block_size``) hold it; a
+block no later request can reuse is evicted first. A block is its chain key, as the replay keys it: an id reused
+after another prefix is another block (an earlier version keyed the bare id, and on a trace whose ids did not name
+their prefix "the optimum" served less than LRU). Ties go to the later position in the chain (a chain's tail before
+its head, so fewer blocks are stranded), then to the lower page number.
 
 Is it optimal here? The classic proof is for items that hit on their own; here a block hits only when its whole
 prefix is cached too. MIN keeps its cache closed under prefixes, though: a request that can reuse a block can reuse
 its parent, so a parent's next reuse is never later than its child's, and ties go to the deeper block, so MIN never
-evicts a parent before its child and every cached block a request can reuse hits. ``tests/test_lab.py`` checks
-Belady >= every online policy at every capacity on random prefix-chain traces (hypothesis); no counterexample
-turned up in 9,000 traces searched while writing it.
+evicts a parent before its child and every cached block a request can reuse hits. Under the replay's ``"engine"``
+semantics it evicts at allocation, among the cached pages the running request does not hold; what a request holds
+from the cache is a leading run of its chain, so a held block's parent is held too and the same argument holds.
+``tests/test_lab.py`` checks Belady >= every online policy at every capacity, under both semantics, on random traces
+whose ids chain and on traces whose ids do not (hypothesis); no counterexample turned up in 9,000 chained traces
+searched while writing it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable, Sequence
 
 from astrai.eviction import HeapPolicy
 from astrai.lab.trace import Trace
+from astrai.page_pool import PageKey
 
 
 class Future:
     """``next_use[i][j]``: the index of the first request after ``i`` that can reuse the block at chain position ``j``
-    of request ``i`` (for ``j`` below its full blocks), or ``len(trace.requests)`` when none can. O(blocks) to build,
-    once per trace."""
+    of request ``i`` (for ``j`` below its full blocks), or ``len(trace.requests)`` when none can. ``keys[i]`` are
+    request ``i``'s full blocks' chain keys (the replay's); the ``skipped`` requests (refused by the pool) reuse
+    nothing. O(blocks) to build, once per trace and set of refused requests."""
 
-    def __init__(self, trace: Trace) -> None:
+    def __init__(self, trace: Trace, keys: Sequence[Sequence[PageKey]], skipped: Collection[int] = ()) -> None:
         never = len(trace.requests)
         self.never = never
         self.positions = max((trace.full_blocks(r) for r in trace.requests), default=0) + 1  # chain positions < this
-        upcoming: dict[int, int] = {}  # block id -> the next request (from the one being scanned) that can reuse it
+        upcoming: dict[PageKey, int] = {}  # chain key -> the next request (from the one being scanned) reusing it
         rows: list[list[int]] = [[] for _ in trace.requests]
         for i in range(never - 1, -1, -1):
-            request = trace.requests[i]
-            ids = request.hash_ids
-            rows[i] = [upcoming.get(b, never) for b in ids[: trace.full_blocks(request)]]
-            for b in ids[: trace.reusable_blocks(request)]:
-                upcoming[b] = i
+            request_keys = keys[i]
+            rows[i] = [upcoming.get(key, never) for key in request_keys]
+            if i not in skipped:
+                for key in request_keys[: trace.reusable_blocks(trace.requests[i])]:
+                    upcoming[key] = i
         self.next_use = rows
 
 

@@ -56,8 +56,9 @@ def from_requests(infos: Sequence[RequestInfo], block_size: int, name: str = "yo
     """The trace of these ended requests, in their order, from their prompts' tokens alone: any backend's requests
     (a vLLM server's too, whose block hashes the app cannot recompute). Prompts that start alike share leading ids
     whatever namespace they ran in (no record says it): a sizing question asks what the traffic could reuse.
-    Timestamps are their order (ms apart), not when they ran."""
-    ended = [(info, float(i) / 1000) for i, info in enumerate(infos) if info.status in ENDED]
+    Timestamps are their order (ms apart), not when they ran. A request that ended with no prompt tokens (a vLLM
+    panel that failed before its first chunk) computed nothing and is left out: a trace line holds at least one."""
+    ended = [(info, float(i) / 1000) for i, info in enumerate(infos) if info.status in ENDED and info.prompt_ids]
     return _trace(ended, block_size, {}, name)
 
 
@@ -89,18 +90,21 @@ def _trace(
 
 def _admissions(engine: InferenceEngine) -> tuple[dict[int, float], dict[int, PageKey]]:
     """First admissions in order (request -> time), and the first page's chain key of each where the events show
-    it. A page's key is known from its ``PageStored`` until it is evicted or the cache is cleared; a first hit on a
-    page still pending (computed in the same step by another request) is resolved by that page's ``PageStored``."""
+    it. A page's key is known from its ``PageStored`` until it is evicted or the cache is cleared. A first hit on a
+    page whose key is not known is either on a page still pending (computed in the same step by another request),
+    resolved by that page's ``PageStored`` in the same step, or on a page stored before the ring's start: no later
+    step's ``PageStored`` of that page says anything of it (the page may have been evicted and hold another
+    prompt's block by then), so it stays unknown."""
     admitted: dict[int, float] = {}
     first_keys: dict[int, PageKey] = {}
     page_keys: dict[int, PageKey] = {}
-    pending: dict[int, list[int]] = {}  # page -> requests whose first hit it was, before it was registered
+    pending: dict[tuple[int, int], list[int]] = {}  # (step, page) -> requests whose first hit it was, unregistered
     for event in engine.events():
         if isinstance(event, PageStored):
             page_keys[event.page] = event.key
             if event.chain_pos == 0 and event.request is not None:
                 first_keys.setdefault(event.request, event.key)
-            for request in pending.pop(event.page, ()):
+            for request in pending.pop((event.step, event.page), ()):
                 first_keys.setdefault(request, event.key)
         elif isinstance(event, PageEvicted):
             page_keys.pop(event.page, None)
@@ -113,5 +117,5 @@ def _admissions(engine: InferenceEngine) -> tuple[dict[int, float], dict[int, Pa
                 if page in page_keys:
                     first_keys[event.request] = page_keys[page]
                 else:
-                    pending.setdefault(page, []).append(event.request)
+                    pending.setdefault((event.step, page), []).append(event.request)
     return admitted, first_keys

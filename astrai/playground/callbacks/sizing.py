@@ -11,7 +11,7 @@ from __future__ import annotations
 import gradio as gr
 
 from astrai.lab.record import from_requests
-from astrai.lab.replay import REPLAY_POLICIES, Replay
+from astrai.lab.replay import REPLAY_POLICIES, Replay, Semantics
 from astrai.lab.trace import Trace
 from astrai.playground.backends.protocol import BackendError
 from astrai.playground.callbacks.context import QUIET, Context, Update, session_of
@@ -19,6 +19,7 @@ from astrai.playground.state import Visitor
 from astrai.playground.views import sizing
 
 MAX_OWN_CAPACITIES = 8  # replays per policy for a visitor's own requests (each takes milliseconds)
+OWN_SEMANTICS: Semantics = "engine"  # a capacity is a pool of that many pages, as the visitor's engine has
 
 
 def own_requests(ctx: Context, session: str) -> tuple[Trace, int | None]:
@@ -100,9 +101,11 @@ class SizingCallbacks:
         for i, policy in enumerate(REPLAY_POLICIES):
             progress(i / len(REPLAY_POLICIES), desc=f"replaying your {len(trace.requests)} requests under {policy}")
             for at in sorted(capacities | {shown}):
-                result = prepared.run(policy, at)
+                result = prepared.run(policy, at, OWN_SEMANTICS)
                 points.append(
-                    sizing.Point(policy, at, result.hit_rate, result.hit_tokens, result.evictions, result.orphans)
+                    sizing.Point(
+                        policy, at, result.hit_rate, result.hit_tokens, result.evictions, result.orphans, result.refused
+                    )
                 )
         ceiling = prepared.run("lru", None)
         visitor.sizing = sizing.Curves(
@@ -112,6 +115,7 @@ class SizingCallbacks:
             input_tokens=trace.input_tokens,
             ceiling=ceiling.hit_rate,
             points=tuple(points),
+            semantics=OWN_SEMANTICS,
         )
         update = {self.ui.sizing.trace: sizing.MINE, self.ui.sizing.replay_mine: button}
         return update | self.show(sizing.MINE, shown, request)

@@ -50,7 +50,8 @@ CAPTIONS = {
     "full pages. Text is shown for your own pages only.",
     "routing": "Press **Compare routing** to send the tenants' waves through each router, each pass on a cold cache.",
     "sizing": "Each workload's requests replayed one at a time through this engine's own page pool, without a model, "
-    "under each eviction policy and capacity: a hit is the longest cached run of leading blocks, the last prompt "
+    "under each eviction policy and pool size (pages of one block each, as an engine's n_pages: pages in use "
+    "count too): a hit is the longest cached run of leading blocks, the last prompt "
     "token is always computed. Belady's MIN evicts the block needed furthest in the future: no online policy can "
     "do better. *Your requests* replays the ones you ran here (at your engine's page size).",
 }
@@ -189,7 +190,8 @@ def _sizing() -> SizingViews:
     """The cache-sizing lab: how much each eviction policy serves at each pool size, on real traffic or yours."""
     curves = sizing.load()
     first = curves[0]
-    with gr.Group(elem_id="sizing"):
+    # a Column carries the view's id: Gradio writes a Group's elem_id on two nested elements
+    with gr.Column(elem_id="sizing"), gr.Group():
         gr.Markdown(f"**How big should the cache be?** {CAPTIONS['sizing']}")
         with gr.Row(equal_height=False):
             with gr.Column(scale=3):
@@ -201,7 +203,7 @@ def _sizing() -> SizingViews:
                 capacity = gr.Radio(
                     sizing.capacity_choices(first),
                     value=first.nearest(5859),
-                    label="Cache capacity in blocks, on a log scale: pick one, and read what each policy serves there",
+                    label="Pool size in pages (blocks), on a log scale: pick one, and read what each policy serves",
                     elem_id="sizing_capacity",
                 )
                 waiting = f"{sizing.REPLAY_MINE} ({sizing.not_yet(0)})"  # a new page's session has run nothing

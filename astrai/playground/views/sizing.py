@@ -4,11 +4,14 @@ Pure: curves in (``astrai.lab``'s replay results, or the shipped ``assets/traces
 out.
 
 Every number here is a replay's (``python -m astrai.lab``): requests one at a time through the engine's own page
-pool and cache manager, a hit the longest cached run of leading blocks, the last prompt token always computed.
+pool and cache manager, a hit the longest cached run of leading blocks, the last prompt token always computed. A
+capacity means what the curves' ``semantics`` says (``astrai.lab.replay``): the shipped curves and a visitor's own
+are an engine's pool of that many pages (``"engine"``), which is what the lesson compares with a pool's size.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Sequence
@@ -17,6 +20,7 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 
+from astrai.lab.replay import CAPACITY_MEANING, Semantics
 from astrai.lab.trace import Trace
 
 SHIPPED = Path(__file__).resolve().parents[3] / "assets" / "traces" / "curves.json"
@@ -49,6 +53,7 @@ class Point:
     hit_tokens: int
     evictions: int
     orphans: int  # cached blocks whose parent is gone: they can never hit again
+    refused: int  # requests a pool this small refuses (served nothing): "engine" semantics only
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,7 @@ class Curves:
     input_tokens: int
     ceiling: float
     points: tuple[Point, ...]
+    semantics: Semantics  # what a capacity means (``astrai.lab.replay.CAPACITY_MEANING``)
 
     @property
     def capacities(self) -> list[int]:
@@ -71,8 +77,9 @@ class Curves:
         return list(dict.fromkeys(p.policy for p in self.points))
 
     def nearest(self, capacity: float) -> int:
-        """The replayed capacity nearest ``capacity`` on a log scale (the chart's)."""
-        return min(self.capacities, key=lambda c: abs(math.log(c) - math.log(max(capacity, 1))))
+        """The replayed capacity nearest ``capacity`` on a log scale (the chart's), shifted by one so that a
+        capacity of 0 (which the lab accepts) has a place on it."""
+        return min(self.capacities, key=lambda c: abs(math.log1p(c) - math.log1p(max(capacity, 0))))
 
     def at(self, capacity: int) -> list[Point]:
         return [p for p in self.points if p.capacity == capacity]
@@ -89,9 +96,9 @@ def load(path: Path = SHIPPED) -> list[Curves]:
             input_tokens=trace["input_tokens"],
             ceiling=trace["ceiling"]["hit_rate"],
             points=tuple(
-                Point(r["policy"], r["capacity"], r["hit_rate"], r["hit_tokens"], r["evictions"], r["orphans"])
-                for r in trace["rows"]
+                Point(**{field.name: r[field.name] for field in dataclasses.fields(Point)}) for r in trace["rows"]
             ),
+            semantics=trace["semantics"],
         )
         for trace in data["traces"]
     ]
@@ -99,8 +106,11 @@ def load(path: Path = SHIPPED) -> list[Curves]:
 
 def step_ratio(curves: Curves) -> float:
     """How much larger each replayed capacity is than the one before (the grid is log-spaced: about 1.5× on the
-    shipped curves), as the geometric mean over the grid."""
-    low, high, n = curves.capacities[0], curves.capacities[-1], len(curves.capacities)
+    shipped curves), as the geometric mean over the grid's capacities above 0."""
+    grid = [c for c in curves.capacities if c > 0]
+    if not grid:
+        return 1.0
+    low, high, n = grid[0], grid[-1], len(grid)
     return float((high / low) ** (1 / max(n - 1, 1)))
 
 
@@ -152,14 +162,21 @@ def summary(curves: Curves, capacity: int) -> str:
     if OPTIMUM in points:
         parts.append(f", the optimum {points[OPTIMUM].hit_rate:.1%}")
     parts.append(f"; a cache that never evicts serves {curves.ceiling:.1%}.")
+    refused = max((p.refused for p in points.values()), default=0)  # the same for every policy: a prompt's length
+    if refused:
+        parts.append(
+            f" {refused:,} of the {curves.requests:,} requests need more than the whole pool: an engine this small "
+            "refuses them, so they are served nothing."
+        )
     return "".join(parts)
 
 
 def curve_chart(curves: Curves, capacity: int) -> go.Figure:
-    """Hit rate against capacity (log scale), a line per policy, the ceiling dashed, a marker at ``capacity``."""
+    """Hit rate against capacity (log scale), a line per policy, the ceiling dashed, a marker at ``capacity``. A log
+    axis has no place for a capacity of 0 (which serves nothing): its points are in the table only."""
     fig = go.Figure()
     for policy in curves.policies:
-        points = sorted((p for p in curves.points if p.policy == policy), key=lambda p: p.capacity)
+        points = sorted((p for p in curves.points if p.policy == policy and p.capacity > 0), key=lambda p: p.capacity)
         fig.add_trace(
             go.Scatter(
                 x=[p.capacity for p in points],
@@ -176,7 +193,9 @@ def curve_chart(curves: Curves, capacity: int) -> go.Figure:
     )
     fig.add_vline(x=capacity, line=dict(color="#111827", width=1.5, dash="dash"))
     fig.update_xaxes(
-        type="log", title_text=f"cache capacity, blocks of {curves.block_size} tokens", gridcolor="#e5e7eb"
+        type="log",
+        title_text=f"capacity: {CAPACITY_MEANING[curves.semantics]}, of {curves.block_size} tokens each",
+        gridcolor="#e5e7eb",
     )
     fig.update_yaxes(title_text="% of prompt tokens served", range=[0, 105 * max(curves.ceiling, 0.01)])
     fig.update_layout(
