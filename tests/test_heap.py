@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from astrai.playground.backends.heap import IdleTrim
+from astrai.playground.backends.heap import HeapTrim
 from tests.support.playground import playground, request
 from tests.support.waiting import wait_until
 
@@ -18,7 +18,7 @@ from tests.support.waiting import wait_until
 HOLES = textwrap.dedent(
     """
     import ctypes, threading, time
-    from astrai.playground.backends.heap import IdleTrim
+    from astrai.playground.backends.heap import HeapTrim
 
     def rss_mib():
         return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) / 1024
@@ -39,8 +39,8 @@ HOLES = textwrap.dedent(
     worker.start()
     worker.join()
     before = rss_mib()
-    trim = IdleTrim()
-    trim.idle()
+    trim = HeapTrim(quiet_interval_s=0)
+    trim.run_ended(quiet=True)
     deadline = time.monotonic() + 10
     while trim.trims == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -49,7 +49,7 @@ HOLES = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(not IdleTrim().available, reason="needs glibc's malloc_trim")
+@pytest.mark.skipif(not HeapTrim().available, reason="needs glibc's malloc_trim")
 def test_a_trim_gives_an_arenas_free_holes_back():
     out = subprocess.run([sys.executable, "-c", HOLES], capture_output=True, text=True, check=True, timeout=60).stdout
     before, after, trims = out.split()
@@ -57,20 +57,25 @@ def test_a_trim_gives_an_arenas_free_holes_back():
     assert float(before) - float(after) > 80, f"VmRSS {before} MiB before the trim, {after} after"
 
 
-@pytest.mark.skipif(not IdleTrim().available, reason="needs glibc's malloc_trim")
-def test_trims_come_at_most_once_an_interval():
-    trim = IdleTrim(min_interval_s=3600)
-    trim.idle()
+@pytest.mark.skipif(not HeapTrim().available, reason="needs glibc's malloc_trim")
+def test_trims_come_at_most_once_an_interval_shorter_when_quiet():
+    trim = HeapTrim(quiet_interval_s=0.3, busy_interval_s=3600)
+    trim.run_ended(quiet=False)  # the app's start counts as a trim: none within the interval
+    assert not wait_until(lambda: trim.trims > 0, timeout=0.5)
+    trim.run_ended(quiet=True)  # quiet, past the quiet interval: one
     assert wait_until(lambda: trim.trims == 1)
-    trim.idle()  # within the interval: none
-    trim.idle()
+    trim.run_ended(quiet=True)  # within it: none
+    trim.run_ended(quiet=False)
     assert not wait_until(lambda: trim.trims > 1, timeout=0.5)
+    trim.busy_interval_s = 0.2  # runs going on, past the busy interval: one more
+    trim.run_ended(quiet=False)
+    assert wait_until(lambda: trim.trims == 2)
 
 
 def test_the_last_run_ending_trims():
     with playground() as pg:
         trims = pg.ctx.engines.heap_trim
-        trims.min_interval_s = 0.0  # every quiet moment trims
+        trims.quiet_interval_s = 0.0  # every quiet moment trims
         fields = pg.fields(n_panels=2, prompt_1="Once upon a time", prompt_2="The dog", max_tokens=4)
         before = trims.trims
         for _ in pg.runs.run(fields, request("ann")):
@@ -104,7 +109,7 @@ ARENAS = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(not IdleTrim().available, reason="needs glibc")
+@pytest.mark.skipif(not HeapTrim().available, reason="needs glibc")
 def test_threads_share_the_arenas_the_limit_allows():
     def arenas(limit: int) -> int:
         run = subprocess.run([sys.executable, "-c", ARENAS, str(limit)], capture_output=True, text=True, timeout=60)
