@@ -1,4 +1,5 @@
-"""``python -m astrai.lab TRACE [TRACE ...] [--capacity LIST] [--policy LIST] [--json]``: hit rate against capacity.
+"""``python -m astrai.lab TRACE [TRACE ...] [--capacity LIST] [--policy LIST] [--block-size B] [--json]``: hit rate
+against capacity. ``python -m astrai.lab ladder TRACE --capacity C ...``: the hit-rate ladder (``cli.py``).
 
 Replays each trace through the real page pool (``replay.py``) under every policy at every capacity (cached blocks),
 plus once without a bound: the ceiling. Text: a table of token hit rates per policy and capacity, and one of the
@@ -20,8 +21,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+from astrai.lab import cli
 from astrai.lab.replay import REPLAY_POLICIES, Replay, ReplayResult, curve
-from astrai.lab.trace import read_trace
 
 
 def log_capacities(low: int = 1000, high: int = 50_000, points: int = 10) -> list[int]:
@@ -48,6 +49,9 @@ def _policy_list(text: str) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["ladder"]:
+        return cli.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m astrai.lab", description=__doc__.split("\n\n")[0])
     parser.add_argument("traces", nargs="+", metavar="TRACE", help="trace files (Mooncake's JSON lines)")
     parser.add_argument(
@@ -57,13 +61,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="cached blocks, comma-separated (default: 10 on a log scale from 1,000 to 50,000)",
     )
     parser.add_argument("--policy", type=_policy_list, default=list(REPLAY_POLICIES), help="comma-separated")
-    parser.add_argument("--processes", type=int, default=None, help="replays in parallel (default: the CPUs)")
+    cli.add_block_size(parser)
+    parser.add_argument(
+        "--processes", type=cli.integer_at_least(1), default=None, help="replays in parallel (default: the CPUs)"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     args = parser.parse_args(argv)
+    traces = [cli.read_or_exit(parser, path, args.block_size) for path in args.traces]  # all checked before any runs
     report = []
-    for path in args.traces:
+    for trace in traces:
         started = time.perf_counter()
-        prepared = Replay(read_trace(path))
+        prepared = Replay(trace)
         ceiling = prepared.run("lru", None)  # no eviction: every policy serves the same
         rows = curve(prepared, args.policy, args.capacity, args.processes)
         seconds = time.perf_counter() - started
