@@ -20,11 +20,11 @@ split into causes, in tokens, that sum exactly to it:
   boundary: the last token is computed for the first output's logits, so that page is never a hit).
 * ``never_seen`` (reachable - ceiling): per request, the reusable pages past its ceiling hit. ``other_namespace``:
   pages whose tokens an earlier request of another namespace computed (a cause only where ``namespaces`` are given:
-  a trace does not say, and a count of 0 would claim it knew); then the first page whose tokens no earlier request computed after the same prefix is
-  ``diverged`` where an earlier request went on from that prefix with another page (the prompts branch there), and
-  everything else is ``new`` (an extension of what was seen, or a prompt with nothing in common). These follow
-  ``astrai.explain``'s causes of the same names, judged on block ids instead of tokens (ids name whole prefixes,
-  so a first page can only be new).
+  a trace does not say, and a count of 0 would claim it knew); then the first page whose tokens no earlier request
+  computed after the same prefix is ``diverged`` where an earlier request went on from that prefix with another
+  page (the prompts branch there), and everything else is ``new`` (an extension of what was seen, or a prompt with
+  nothing in common). These follow ``astrai.explain``'s causes of the same names, judged on block ids instead of
+  tokens (ids name whole prefixes, so a first page can only be new).
 * ``capacity`` (ceiling - belady): ``evicted``, hits lost to evictions even the optimum makes at C.
 * ``policy`` (belady - the policy, or belady - single_pool): ``evicted_by_policy``, the hits the optimum keeps and
   the policy does not (net over the trace).
