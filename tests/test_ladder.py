@@ -18,11 +18,7 @@ from astrai.lab.trace import Trace, TraceRequest
 
 # Hand-made ladders with evictions are worked out under today's replay rules, which the replay will keep as
 # semantics="trace" once it takes a semantics (its new default, an engine's pool, evicts at other moments).
-TODAY = (
-    "trace"
-    if any("semantics" in inspect.signature(f).parameters for f in (Replay, curve, Replay.run))
-    else None
-)
+TODAY = "trace" if any("semantics" in inspect.signature(f).parameters for f in (Replay, curve, Replay.run)) else None
 
 
 def chains(prompts: list[str], partial: bool | list[bool] = True, start: int = 0) -> tuple[TraceRequest, ...]:

@@ -51,7 +51,8 @@ def ladder_html(ladder: Ladder) -> str:
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title>
 <style>body{{font-family:sans-serif;margin:2em;color:#222}}table{{border-collapse:collapse;margin:1em 0}}
-td,th{{border:1px solid #ccc;padding:.25em .6em;text-align:right}}td:first-child,th:first-child{{text-align:left}}
+td,th{{border:1px solid #ccc;padding:.25em .6em;text-align:right}}td:first-child,th:first-child,td:last-child,
+th:last-child{{text-align:left}}
 </style></head><body>
 <h1>{escape(title)}</h1>
 <p>{escape(setting)}. Each bar is a rung: prompt tokens served (or servable) as a share of all prompt tokens. The
@@ -70,7 +71,7 @@ def _chart(ladder: Ladder) -> str:
     scale = _WIDTH / max(top, 1e-9)
     height = _ROW * len(ladder.rungs) + 10
     parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{_LABEL + _WIDTH + 90}" height="{height}" '
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{_LABEL + _WIDTH + 260}" height="{height}" '
         f'role="img" aria-label="hit-rate ladder">',
         '<defs><pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" '
         'patternTransform="rotate(45)"><rect width="3" height="6" fill="white" fill-opacity="0.55"/></pattern></defs>',
@@ -96,6 +97,7 @@ def _chart(ladder: Ladder) -> str:
                 f'height="{_BAR_HEIGHT}" fill="url(#hatch)"/></g>'
             )
         label_x = _LABEL + max(rung.share, rung.share + (gap.share if gap else 0)) * scale + 6
-        parts.append(f'<text x="{label_x:.1f}" y="{y + 16}" font-size="12">{rung.share:.2%}</text>')
+        lost = f" (gap above: {gap.name} {gap.share:.2%})" if gap is not None else ""
+        parts.append(f'<text x="{label_x:.1f}" y="{y + 16}" font-size="12">{rung.share:.2%}{escape(lost)}</text>')
     parts.append("</svg>")
     return "\n".join(parts)
