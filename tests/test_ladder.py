@@ -209,3 +209,29 @@ def test_the_exports_carry_every_rung_and_cause():
     assert "<script" not in page and "<link" not in page and "src=" not in page
     assert "https://" not in page and "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
     assert "<title>policy: 4 tokens (16.67%): evicted_by_policy 4</title>" in page
+
+
+def test_semantics_are_passed_to_the_replay_that_takes_them(monkeypatch):
+    """The ladder passes ``semantics`` on to whichever of the replay's functions takes it (here a ``curve`` that
+    does, with a ``Replay`` that does not), and refuses it, saying so, where none does."""
+    import astrai.lab.ladder as module
+
+    asked = []
+
+    class PlainReplay(Replay):
+        def __init__(self, trace: Trace) -> None:
+            super().__init__(trace)
+
+    def curve_with_rules(prepared, policies, capacities, processes=None, semantics=None):
+        asked.append(semantics)
+        return curve(prepared, policies, capacities, processes)
+
+    trace = Trace(chains(["A", "AB"]), 2, "t")
+    monkeypatch.setattr(module, "Replay", PlainReplay)
+    monkeypatch.setattr(module, "curve", curve_with_rules)
+    ladder(trace, 2, "lru", semantics="engine")
+    assert asked == ["engine", "engine"]  # the policy with and without eviction, then Belady
+    monkeypatch.setattr(module, "curve", curve)
+    monkeypatch.setattr(module, "_takes", lambda function, parameter: False)
+    with pytest.raises(LadderError, match="semantics 'engine': this replay has one set of rules"):
+        ladder(trace, 2, "lru", semantics="engine")

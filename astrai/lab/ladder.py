@@ -43,7 +43,7 @@ renders it without knowing how it was made.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -207,11 +207,11 @@ def fleet_ladder(
     own = chains.namespaced()
     fleet = Trace(tuple(own), block_size, replicas[0].name if len(replicas) == 1 else "fleet")
     pool = capacity * len(replicas)
-    replay_options, curve_options = _semantics_options(semantics)
-    prepared = Replay(fleet, **replay_options)
+    replays = _Replays(semantics, processes)
+    prepared = replays.prepare(fleet)
     # the policy with and without eviction in parallel, then Belady (its future is built after the fork, once)
-    ceiling, single = curve(prepared, [policy], [None, pool], processes, **curve_options)
-    (belady,) = curve(prepared, [Belady.name], [pool], 1, **curve_options)
+    ceiling, single = replays.run(prepared, policy, [None, pool])
+    (belady,) = replays.run(prepared, Belady.name, [pool])
 
     floor = _page_floor(merged, block_size)
     seen = chains.never_seen(block_size)
@@ -235,7 +235,7 @@ def fleet_ladder(
         steps.append(
             (SINGLE_POOL, single.hit_tokens, POLICY, (("evicted_by_policy", belady.hit_tokens - single.hit_tokens),))
         )
-        served = sum(_replicas_hits(replicas, namespaces, own, order, capacity, policy, semantics, processes))
+        served = sum(_replicas_hits(replicas, own, order, capacity, policy, replays))
         steps.append((policy, served, ROUTING, (("other_replica", single.hit_tokens - served),)))
     if delivered is not None:
         reported = sum(sum(d) for d in delivered)
@@ -299,39 +299,61 @@ def _check_inputs(
                 )
 
 
-def _semantics_options(semantics: str | None) -> tuple[dict[str, str], dict[str, str]]:
-    """Where the replay takes its rules: ``Replay(..., semantics=)`` or ``curve(..., semantics=)``."""
-    if semantics is None:
-        return {}, {}
-    if "semantics" in inspect.signature(Replay).parameters:
-        return {"semantics": semantics}, {}
-    if "semantics" in inspect.signature(curve).parameters:
-        return {}, {"semantics": semantics}
-    raise LadderError(f"semantics {semantics!r}: this replay has one set of rules and takes no semantics")
+class _Replays:
+    """The replay's public functions, with its rules (``semantics``) passed to whichever of them takes them:
+    ``Replay(trace, semantics=)``, ``curve(..., semantics=)`` (in parallel), or ``Replay.run(..., semantics=)`` (one
+    at a time). None: the replay's default rules, whatever it takes."""
+
+    def __init__(self, semantics: str | None, processes: int | None) -> None:
+        self.processes = processes
+        self.prepare_options: dict[str, str] = {}
+        self.curve_options: dict[str, str] = {}
+        self.run_options: dict[str, str] = {}
+        if semantics is None:
+            return
+        options = {"semantics": semantics}
+        if _takes(Replay, "semantics"):
+            self.prepare_options = options
+        elif _takes(curve, "semantics"):
+            self.curve_options = options
+        elif _takes(Replay.run, "semantics"):
+            self.run_options = options
+        else:
+            raise LadderError(f"semantics {semantics!r}: this replay has one set of rules and takes no semantics")
+
+    def prepare(self, trace: Trace) -> Replay:
+        return Replay(trace, **self.prepare_options)
+
+    def run(self, prepared: Replay, policy: str, capacities: list[int | None]) -> list[ReplayResult]:
+        if self.run_options:
+            return [prepared.run(policy, capacity, **self.run_options) for capacity in capacities]
+        return curve(prepared, [policy], capacities, self.processes, **self.curve_options)
+
+
+def _takes(function: Callable[..., object], parameter: str) -> bool:
+    return parameter in inspect.signature(function).parameters
 
 
 def _replicas_hits(
     replicas: Sequence[Trace],
-    namespaces: Sequence[Sequence[Hashable]] | None,
     own: list[TraceRequest],
     order: list[tuple[int, int, int]],
     capacity: int,
     policy: str,
-    semantics: str | None,
-    processes: int | None,
+    replays: _Replays,
 ) -> list[int]:
     """Each replica's hits under ``policy`` at ``capacity``, its requests with the fleet's namespaced ids."""
     per_replica: list[list[TraceRequest]] = [[] for _ in replicas]
     for request, (_, r, _) in zip(own, order, strict=True):
         per_replica[r].append(request)
-    replay_options, curve_options = _semantics_options(semantics)
     hits = []
     for trace, requests in zip(replicas, per_replica, strict=True):
         if not requests:
             hits.append(0)
             continue
-        prepared = Replay(Trace(tuple(requests), trace.block_size, trace.name), **replay_options)
-        result: ReplayResult = curve(prepared, [policy], [capacity], processes, **curve_options)[0]
+        (result,) = replays.run(
+            replays.prepare(Trace(tuple(requests), trace.block_size, trace.name)), policy, [capacity]
+        )
         hits.append(result.hit_tokens)
     return hits
 
