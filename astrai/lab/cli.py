@@ -1,7 +1,10 @@
-"""``python -m astrai.lab ladder TRACE --capacity C [--policy lru] [--json] [--csv FILE] [--html FILE]
-[--block-size B] [--semantics S] [--processes N]``: the hit-rate ladder of a trace (``ladder.py``), and the command
-line's checks shared with the curves' command (``__main__.py``): bad input ends in one line on stderr and exit
-status 2, never a traceback.
+"""Why is my hit rate low? The hit-rate ladder of a trace: from every prompt token down to what the policy serves
+at the capacity, each gap between two rungs split into causes (tokens).
+
+``python -m astrai.lab ladder TRACE --capacity C [--policy lru] [--json] [--csv FILE] [--html FILE]
+[--block-size B] [--semantics S] [--processes N]`` (``ladder.py`` computes it). This module also holds the checks
+the curves' command (``__main__.py``) shares: bad input ends in one line on stderr and exit status 2, never a
+traceback.
 
 Text: the rungs top to bottom, each gap between them with its causes. ``--json``: ``Ladder.to_dict()``.
 ``--csv FILE`` / ``--html FILE``: the same ladder as CSV, and as a self-contained HTML report (``report.py``).
