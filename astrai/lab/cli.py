@@ -66,7 +66,9 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--policy", choices=POLICIES, default="lru", help="the online policy replayed (default lru)")
     add_block_size(parser)
     parser.add_argument("--semantics", default=None, help="the replay's rules (default: the replay's default)")
-    parser.add_argument("--processes", type=integer_at_least(1), default=None, help="replays in parallel")
+    parser.add_argument(
+        "--processes", type=integer_at_least(1), default=None, help="replays in parallel (default: the CPUs)"
+    )
     parser.add_argument("--json", action="store_true", help="print the ladder as JSON")
     parser.add_argument("--csv", type=Path, metavar="FILE", help="also write it as CSV")
     parser.add_argument("--html", type=Path, metavar="FILE", help="also write a self-contained HTML report")

@@ -161,7 +161,7 @@ def ladder(
     delivered: Sequence[int] | None = None,
     namespaces: Sequence[Hashable] | None = None,
     semantics: str | None = None,
-    processes: int | None = None,
+    processes: int | None = 1,
 ) -> Ladder:
     """The ladder of one engine's requests (``trace``, in the order they ran) at ``capacity`` cached pages.
 
@@ -169,7 +169,8 @@ def ladder(
     ``namespaces``: each request's namespace (its cache salt, or tenant): requests of two namespaces never share
     pages, and the trace's ids are then read as the prompts' contents, so a page computed under another namespace
     is told apart from a new one. ``semantics``: the replay's rules, passed on to it. ``processes``: replays in
-    parallel (``replay.curve``'s)."""
+    parallel, forked (``replay.curve``'s; None: the CPUs). The default, 1, forks nothing: keep it in a process with
+    threads (a server: a fork copies one thread and whatever locks the others held)."""
     return fleet_ladder(
         [trace],
         capacity,
@@ -189,7 +190,7 @@ def fleet_ladder(
     delivered: Sequence[Sequence[int]] | None = None,
     namespaces: Sequence[Sequence[Hashable]] | None = None,
     semantics: str | None = None,
-    processes: int | None = None,
+    processes: int | None = 1,
 ) -> Ladder:
     """The ladder of a fleet: each replica's requests in the order it ran them, ``capacity`` cached pages each.
 
