@@ -7,7 +7,8 @@ Times, over ``--rounds`` rounds (min / median / max), in this process:
 * an engine's history of 10,000 requests (a class's lesson traffic, made up here with a fixed seed: a shared system
   prompt, nine step prompts, each student's own words, follow-up turns that resend a conversation; pages of 16
   tokens): the trace made from its ``RequestInfo``s (``record.from_requests``), then its ladder at 2,048 pages
-  with a ``delivered`` rung (made-up requests report 0 cached tokens: a sum, timed all the same) (the playground's default engine); and that ladder alone, from the trace.
+  (the playground's default engine) with a ``delivered`` rung (made-up requests report 0 cached tokens: a sum,
+  timed all the same); and that ladder alone, from the trace.
 
 Then both Mooncake traces' ladders at 1,000, 5,859 and 20,000 blocks (the table in README's lab section).
 """
