@@ -111,24 +111,29 @@ def test_another_namespace_by_hand():
 
 
 def test_a_fleet_by_hand():
-    """Two replicas of 1 cached page each; A + 1 (3 tokens) at t = 0, 1, 2, 3, alternating replicas.
+    """Two replicas of 1 cached page each; A + 1 and B + 1 (3 tokens each) alternate, A B A B A B at t = 0..5, to
+    replicas 0 1 1 0 0 1 (replica 0: A B A; replica 1: B A B).
 
-    * In one sequence: A new, then 3 hits: ceiling = belady at 2 pages = single pool (lru, 2 pages) = 6 tokens.
-    * Each replica alone: A new, then 1 hit: 2 + 2 = 4; routing 6 - 4 = 2, cached on the other replica.
-    prompt 12, partial 4, reachable 8, never seen 2 (A new)."""
-    one = Trace((chains(["A"], start=0)[0], chains(["A"], start=2)[0]), 2, "r0")
-    two = Trace((chains(["A"], start=1)[0], chains(["A"], start=3)[0]), 2, "r1")
+    * In one sequence: A and B new, then 4 hits: ceiling 8 tokens. Belady at the fleet's 2 pages keeps both: 8
+      (at 1 page it would serve only 2 hits). LRU on one pool of 2 pages: 8.
+    * Each replica alone, 1 page: the page is always the other block when a request comes: 0 hits. Routing
+      8 - 0 = 8 tokens, cached on the other replica.
+    prompt 18, partial 6, reachable 12, never seen 4 (A and B new)."""
+    a, b, *_ = chains(["A", "B"])
+    at = lambda request, t: TraceRequest(t, request.input_length, 1, request.hash_ids)  # noqa: E731
+    one = Trace((at(a, 0), at(b, 3), at(a, 4)), 2, "r0")
+    two = Trace((at(b, 1), at(a, 2), at(b, 5)), 2, "r1")
     result = fleet_ladder([one, two], 1, "lru", semantics=TODAY)
     assert tokens(result) == {
-        "prompt_tokens": 12,
-        "reachable": 8,
-        "ceiling": 6,
-        "belady": 6,
-        "single_pool": 6,
-        "lru": 4,
+        "prompt_tokens": 18,
+        "reachable": 12,
+        "ceiling": 8,
+        "belady": 8,
+        "single_pool": 8,
+        "lru": 0,
     }
-    assert causes(result)["routing"] == {"other_replica": 2}
-    assert causes(result)["never_seen"] == {"new": 2, "diverged": 0}
+    assert causes(result)["routing"] == {"other_replica": 8}
+    assert causes(result)["never_seen"] == {"new": 4, "diverged": 0}
     assert result.replicas == 2 and result.capacity == 1
 
 
@@ -156,7 +161,8 @@ def prefix_traces(draw: st.DrawFn) -> tuple[Trace, list[str]]:
 @settings(max_examples=60, deadline=None)
 @given(case=prefix_traces(), capacity=st.integers(0, 8), namespaced=st.booleans())
 def test_the_rungs_fall_and_every_gap_is_its_causes(case, capacity, namespaced):
-    """reachable >= ceiling >= belady >= every online policy, and each gap's causes sum to it (the JSON's too)."""
+    """reachable >= ceiling >= belady >= every online policy, and each gap's causes sum to it (the JSON's too); the
+    same requests split between two replicas keep the fleet's rungs in order down to one pool."""
     trace, namespaces = case
     ladders = {
         policy: ladder(trace, capacity, policy, namespaces=namespaces if namespaced else None, processes=1)
@@ -166,10 +172,21 @@ def test_the_rungs_fall_and_every_gap_is_its_causes(case, capacity, namespaced):
         rungs = tokens(result)
         assert rungs["prompt_tokens"] >= rungs["reachable"] >= rungs["ceiling"] >= rungs["belady"] >= rungs[policy]
         assert all(cause >= 0 for gap in result.gaps for _, cause in gap.causes)
-        data = result.to_dict()
-        for gap in data["gaps"]:
-            assert sum(gap["causes"].values()) == gap["tokens"]
-            assert gap["tokens"] == data["rungs"][gap["from"]]["tokens"] - data["rungs"][gap["to"]]["tokens"]
+        assert_gaps_are_their_causes(result)
+    halves = [Trace(trace.requests[parity::2], 2, f"r{parity}") for parity in (0, 1)]
+    if all(half.requests for half in halves):  # a fleet of two (its own pools may beat one: routing is signed)
+        fleet = fleet_ladder(halves, capacity, "lru")
+        rungs = tokens(fleet)
+        assert rungs["reachable"] >= rungs["ceiling"] >= rungs["belady"] >= rungs["single_pool"]
+        assert rungs["reachable"] == tokens(ladders["lru"])["reachable"]  # the same requests, in the same order
+        assert_gaps_are_their_causes(fleet)
+
+
+def assert_gaps_are_their_causes(result: Ladder) -> None:
+    data = result.to_dict()
+    for gap in data["gaps"]:
+        assert sum(gap["causes"].values()) == gap["tokens"]
+        assert gap["tokens"] == data["rungs"][gap["from"]]["tokens"] - data["rungs"][gap["to"]]["tokens"]
 
 
 def test_bad_inputs_are_refused_with_reasons():
