@@ -1,4 +1,4 @@
-"""How fast the hit-rate ladder is: ``python -m benchmarks.ladder_speed [--rounds 3] [--processes 2]``.
+"""How fast the hit-rate ladder is: ``python -m benchmarks.ladder_speed [--rounds 3] [--processes 2] [--semantics S]``.
 
 Times, over ``--rounds`` rounds (min / median / max), in this process:
 
@@ -10,7 +10,8 @@ Times, over ``--rounds`` rounds (min / median / max), in this process:
   (the playground's default engine) with a ``delivered`` rung (made-up requests report 0 cached tokens: a sum,
   timed all the same); and that ladder alone, from the trace.
 
-Then both Mooncake traces' ladders at 1,000, 5,859 and 20,000 blocks (the table in README's lab section).
+Then both Mooncake traces' ladders at 1,000, 5,859 and 20,000 blocks (the table in README's lab section), under
+``--semantics`` (the replay's rules; default: its default).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from astrai.lab.ladder import Ladder, ladder
 from astrai.lab.record import from_requests
@@ -61,34 +63,35 @@ def class_history(requests: int = HISTORY_REQUESTS, seed: int = 0) -> list[Reque
     return infos
 
 
-def history_ladder(infos: list[RequestInfo], processes: int) -> Ladder:
+def history_ladder(infos: list[RequestInfo], options: dict[str, Any]) -> Ladder:
     trace = from_requests(infos, HISTORY_PAGE, "class history")
-    return ladder(
-        trace, HISTORY_PAGES, "lru", delivered=[info.cached_tokens or 0 for info in infos], processes=processes
-    )
+    return ladder(trace, HISTORY_PAGES, "lru", delivered=[info.cached_tokens or 0 for info in infos], **options)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--semantics", default=None, help="the replay's rules (default: its default)")
     args = parser.parse_args()
+    options = {"processes": args.processes, "semantics": args.semantics}
     print(cpu_name())
     load = ", ".join(f"{value:.2f}" for value in os.getloadavg())
-    print(f"min / median / max of {args.rounds} rounds, {args.processes} processes; load average at start {load}")
-    conversation = lambda: ladder(read_trace(CONVERSATION), 5859, "lru", processes=args.processes)  # noqa: E731
+    rules = args.semantics or "the replay's default"
+    print(f"min / median / max of {args.rounds} rounds, {args.processes} processes, {rules} rules; load average {load}")
+    conversation = lambda: ladder(read_trace(CONVERSATION), 5859, "lru", **options)  # noqa: E731
     print(f"  conversation trace: read + ladder, lru at 5,859 blocks  {timed(args.rounds, conversation)}")
     infos = class_history()
-    history = lambda: history_ladder(infos, args.processes)  # noqa: E731
+    history = lambda: history_ladder(infos, options)  # noqa: E731
     print(f"  engine history, 10,000 requests: trace + ladder, lru at 2,048 pages  {timed(args.rounds, history)}")
     trace = from_requests(infos, HISTORY_PAGE, "class history")
     delivered = [info.cached_tokens or 0 for info in infos]
-    alone = lambda: ladder(trace, HISTORY_PAGES, "lru", delivered=delivered, processes=args.processes)  # noqa: E731
+    alone = lambda: ladder(trace, HISTORY_PAGES, "lru", delivered=delivered, **options)  # noqa: E731
     print(f"  engine history, 10,000 requests: the ladder of its trace alone       {timed(args.rounds, alone)}")
     for path in (CONVERSATION, SYNTHETIC):
         trace = read_trace(path)
         for capacity in (1000, 5859, 20_000):
-            result = ladder(trace, capacity, "lru", processes=args.processes)
+            result = ladder(trace, capacity, "lru", **options)
             rungs = " / ".join(f"{r.name} {r.share:.2%}" for r in result.rungs)
             print(f"  {trace.name} at {capacity:,}: {rungs}")
 
