@@ -45,6 +45,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 from astrai.eviction import POLICIES
@@ -255,7 +256,7 @@ def _assemble(
     prompt = steps[0][1]
     rungs = tuple(Rung(name, tokens, tokens / prompt) for name, tokens, _, _ in steps)
     gaps = []
-    for (above, above_tokens, _, _), (below, below_tokens, gap, causes) in zip(steps, steps[1:], strict=False):
+    for (above, above_tokens, _, _), (below, below_tokens, gap, causes) in pairwise(steps):
         tokens = above_tokens - below_tokens
         if sum(t for _, t in causes) != tokens:
             raise AssertionError(f"the causes of {gap} sum to {sum(t for _, t in causes)}, not to its {tokens}")
