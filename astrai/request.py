@@ -6,11 +6,13 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
-
-import torch
+from typing import TYPE_CHECKING
 
 from astrai.page_pool import PageKey
 from astrai.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    import torch  # only in a type: the trace replay builds requests without loading torch
 
 _ids = itertools.count()
 

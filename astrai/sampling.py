@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from astrai.device import to_device
+if TYPE_CHECKING:
+    import torch
 
 MAX_SEED = 2**63 - 1
 # Below this a temperature is greedy, as in vLLM (its _SAMPLING_EPS): dividing float32 logits by a smaller one
@@ -63,6 +63,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
+        import torch  # here, not at the top: SamplingParams alone (the trace replay's) must not load torch
+
+        from astrai.device import to_device
+
         sampled_rows = to_device(torch.tensor(rows), device)
         sub = logits.index_select(0, sampled_rows)
         temperature = to_device(torch.tensor([params[i].temperature for i in rows]), device).unsqueeze(1)

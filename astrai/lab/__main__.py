@@ -1,4 +1,5 @@
-"""``python -m astrai.lab TRACE [TRACE ...] [--capacity LIST] [--policy LIST] [--json]``: hit rate against capacity.
+"""``python -m astrai.lab TRACE [TRACE ...] [--capacity LIST] [--policy LIST] [--block-size B] [--json]``: hit rate
+against capacity. ``python -m astrai.lab ladder TRACE --capacity C ...``: the hit-rate ladder (``cli.py``).
 
 Replays each trace through the real page pool (``replay.py``) under every policy at every capacity (``--semantics``:
 pages of an engine's pool, the default, or ``trace``: cached blocks after each request), plus once without a bound:
@@ -21,8 +22,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+from astrai.lab import cli
 from astrai.lab.replay import CAPACITY_MEANING, REPLAY_POLICIES, SEMANTICS, Replay, ReplayResult, curve
-from astrai.lab.trace import read_trace
 
 
 def log_capacities(low: int = 1000, high: int = 50_000, points: int = 10) -> list[int]:
@@ -49,6 +50,9 @@ def _policy_list(text: str) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["ladder"]:
+        return cli.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m astrai.lab", description=__doc__.split("\n\n")[0])
     parser.add_argument("traces", nargs="+", metavar="TRACE", help="trace files (Mooncake's JSON lines)")
     parser.add_argument(
@@ -64,13 +68,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=SEMANTICS[0],
         help="a capacity is an engine's pool of that many pages (engine), or that many cached blocks (trace)",
     )
-    parser.add_argument("--processes", type=int, default=None, help="replays in parallel (default: the CPUs)")
+    cli.add_block_size(parser)
+    parser.add_argument(
+        "--processes", type=cli.integer_at_least(1), default=None, help="replays in parallel (default: the CPUs)"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     args = parser.parse_args(argv)
+    traces = [cli.read_or_exit(parser, path, args.block_size) for path in args.traces]  # all checked before any runs
     report = []
-    for path in args.traces:
+    for trace in traces:
         started = time.perf_counter()
-        prepared = Replay(read_trace(path))
+        prepared = Replay(trace)
         ceiling = prepared.run("lru", None)  # no eviction: every policy serves the same
         rows = curve(prepared, args.policy, args.capacity, args.processes, args.semantics)
         seconds = time.perf_counter() - started

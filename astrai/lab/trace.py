@@ -8,7 +8,8 @@ exactly as far as their prompts share leading blocks.
 
 Mooncake's blocks are 512 tokens and its files do not say so; a trace recorded from this engine carries its page
 size in a ``block_size`` field on every line (extra fields are ignored by Mooncake's own readers), and the reader
-takes 512 where the field is absent. All lines of one file must agree.
+takes 512 where the field is absent, or the size its caller gives (``--block-size``). All lines of one file must
+agree. Counts are integers (JSON ``true`` is not 1), and a file with no request is refused.
 """
 
 from __future__ import annotations
@@ -51,18 +52,24 @@ class Trace:
         return sum(r.input_length for r in self.requests)
 
 
-def read_trace(path: str | Path) -> Trace:
-    """Read a trace file, checking every line (a ``ValueError`` names the line and what is wrong)."""
+def read_trace(path: str | Path, block_size: int | None = None) -> Trace:
+    """Read a trace file, checking every line (a ``ValueError`` names the line and what is wrong; a missing or
+    unreadable file raises ``OSError``). ``block_size``: the tokens per block of a file that does not say (Mooncake's
+    format of another block size); lines that say must agree with it. An empty trace is an error: it has no hit
+    rate to report."""
     path = Path(path)
+    if block_size is not None and not _is_count(block_size, 1):
+        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
     requests: list[TraceRequest] = []
-    block_size: int | None = None
+    given = block_size
     with path.open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
+            where = f"{path}:{number}"
             try:
                 row = json.loads(line)
-                size = row.get("block_size", MOONCAKE_BLOCK_SIZE)
+                size = row.get("block_size", MOONCAKE_BLOCK_SIZE if given is None else given)
                 request = TraceRequest(
                     timestamp=row["timestamp"],
                     input_length=row["input_length"],
@@ -70,24 +77,41 @@ def read_trace(path: str | Path) -> Trace:
                     hash_ids=tuple(row["hash_ids"]),
                 )
             except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
-                raise ValueError(f"{path}:{number}: not a trace record ({error!r})") from error
+                raise ValueError(f"{where}: not a trace record ({error!r})") from error
+            if not _is_count(size, 1):
+                raise ValueError(f"{where}: block_size must be an integer >= 1, got {size!r}")
             if block_size is None:
                 block_size = size
-            _check(request, size, block_size, f"{path}:{number}")
+            elif size != block_size:
+                said = "--block-size" if given is not None else "the trace's"
+                raise ValueError(f"{where}: block_size {size}, but {said} is {block_size}")
+            _check(request, block_size, where, explicit="block_size" in row or given is not None)
             requests.append(request)
-    return Trace(tuple(requests), block_size or MOONCAKE_BLOCK_SIZE, path.name)
+    if not requests:
+        raise ValueError(f"{path}: no requests (an empty trace has no hit rate)")
+    assert block_size is not None
+    return Trace(tuple(requests), block_size, path.name)
 
 
-def _check(request: TraceRequest, size: object, block_size: int, where: str) -> None:
-    if not isinstance(size, int) or size < 1 or size != block_size:
-        raise ValueError(f"{where}: block_size {size!r}, but the trace's is {block_size}")
-    if not isinstance(request.input_length, int) or request.input_length < 1:
-        raise ValueError(f"{where}: input_length must be an integer >= 1, got {request.input_length!r}")
-    if not all(isinstance(i, int) for i in request.hash_ids):
+def _is_count(value: object, low: int) -> bool:
+    """An ``int`` (never a ``bool``, which Python counts as one) of at least ``low``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _check(request: TraceRequest, block_size: int, where: str, explicit: bool) -> None:
+    for field, low in (("timestamp", 0), ("input_length", 1), ("output_length", 0)):
+        value = getattr(request, field)
+        if not _is_count(value, low):
+            raise ValueError(f"{where}: {field} must be an integer >= {low}, got {value!r}")
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in request.hash_ids):
         raise ValueError(f"{where}: hash_ids must be integers")
     blocks = -(-request.input_length // block_size)
     if len(request.hash_ids) != blocks:
-        raise ValueError(f"{where}: {request.input_length} tokens are {blocks} blocks, but {len(request.hash_ids)} ids")
+        hint = "" if explicit else f"; the file does not say its block size, so Mooncake's {block_size} was assumed"
+        fix = ": give the trace's own (--block-size)" if hint else ""
+        raise ValueError(
+            f"{where}: {request.input_length} tokens are {blocks} blocks, but {len(request.hash_ids)} ids{hint}{fix}"
+        )
 
 
 def write_trace(path: str | Path, requests: Iterable[TraceRequest], block_size: int) -> None:
