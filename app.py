@@ -139,6 +139,6 @@ if engines is None:  # the embedded engine: its page answers within seconds of t
 demo = create_app(engines, allow_hub_models=ARGS.allow_hub_models)
 
 if __name__ == "__main__":
-    from astrai.playground.ui.layout import PAGE_CSS  # Gradio 6 takes a page's CSS at launch
+    from astrai.playground.ui.app import launch_options
 
-    demo.launch(css=PAGE_CSS)
+    demo.launch(**launch_options())

@@ -44,3 +44,13 @@ def test_a_knob_out_of_range_stops_the_app_with_one_line(name, value):
     assert result.returncode != 0
     assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert name in result.stderr and "takes an integer from 1 to" in result.stderr, result.stderr
+
+
+def test_the_operator_sets_how_many_sessions_the_app_and_gradio_keep():
+    """ASTRAI_SESSIONS bounds both: the app's visitors and Gradio's sessions (10,000 by default, about 1.5 MiB each
+    here: a soak's memory grew with every visitor it had seen)."""
+    code = (
+        "from astrai.playground import state; from astrai.playground.ui.app import launch_options; "
+        "print(state.KEEP_VISITORS, launch_options()['state_session_capacity'])"
+    )
+    assert python(code, ASTRAI_SESSIONS="40").stdout.split() == ["40", "40"]

@@ -69,4 +69,9 @@ QUEUE_SIZE = int(Knob("ASTRAI_QUEUE_SIZE", 64, 1, 100_000).read())  # waiting ev
 # visitors' 40-page pools (a visitor holds one at a time), 96 MiB of the embedded model's KV in float32; past it, a
 # visitor shares the step's one pool with everyone else there
 TENANT_PAGES = int(Knob("ASTRAI_TENANT_PAGES", 2048, 0, 65_536).read())
+# the sessions whose state the app keeps, Gradio's (its per-session copy of the page's config, about 1.5 MiB each
+# here) and its own (state.Visitors): the least recently active forgotten first. A closed page's session is not
+# always reported, and Gradio keeps 10,000 by default, so a Space that runs for days grew by its visitors: a soak
+# of 300 visitors added 230 MiB. 128 is four classes of 30, reloads included
+SESSIONS = int(Knob("ASTRAI_SESSIONS", 128, 16, 100_000).read())
 TEACHER_KEY = teacher_key()

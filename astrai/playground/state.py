@@ -20,6 +20,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from astrai.playground import knobs
 from astrai.playground.backends.profiles import Profile
 from astrai.playground.views.causes import Tally
 from astrai.playground.views.pages import Owner
@@ -28,7 +29,7 @@ from astrai.playground.views.sizing import Curves
 from astrai.playground.views.text import RunSummary
 
 KEEP_OWNERS = 4096  # requests remembered; the oldest are forgotten first (their pages show as another session's)
-KEEP_VISITORS = 4096
+KEEP_VISITORS = knobs.SESSIONS  # as many as Gradio keeps sessions of (app.py's launch)
 KEEP_RECORDINGS = 128
 SEEN_WITHIN_S = 10.0  # a tab polled within this long counts as a visitor on its engine
 COUNT_EVERY_S = 1.0

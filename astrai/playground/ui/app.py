@@ -17,8 +17,15 @@ from astrai.playground.callbacks.sizing import SizingCallbacks
 from astrai.playground.callbacks.teacher import TeacherCallbacks
 from astrai.playground.scenarios import Lesson
 from astrai.playground.state import Visitors
-from astrai.playground.ui.layout import build_layout
+from astrai.playground.ui.layout import PAGE_CSS, build_layout
 from astrai.playground.ui.teacher import build_banner, build_teacher_views
+
+
+def launch_options() -> dict[str, object]:
+    """What ``Blocks.launch`` takes from the playground: the page's CSS (Gradio 6 takes it at launch), and as many
+    sessions kept as the app keeps visitors (``knobs.SESSIONS``: Gradio's default, 10,000, grew a Space by its
+    visitors)."""
+    return {"css": PAGE_CSS, "state_session_capacity": knobs.SESSIONS}
 
 
 def build_demo(engines: Engines, teacher_key: str | None = knobs.TEACHER_KEY) -> gr.Blocks:
