@@ -10,10 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from astrai.explain import Cause
 from astrai.lab.ladder import Gap, Ladder, Rung
 from astrai.lab.report import ladder_csv
 from astrai.playground.callbacks.ladder import trace_ladder
+from astrai.playground.scenarios import SCENARIO_BY_NAME
+from astrai.playground.views import causes
 from astrai.playground.views import ladder as view
+from astrai.playground.views.text import TABLE_COLUMNS
 from tests.support.playground import Playground, no_progress, playground, request
 
 PROMPT = 1000
@@ -158,3 +162,27 @@ def test_a_shipped_trace_is_computed_once_and_its_exports_are_self_contained(pg)
     assert mine != pg.ladders.folder(b), "each visitor's files are their own"
     pg.ladders.compute(source, "lru", 100, request(a), no_progress)
     assert not mine.exists() and pg.ladders.folder(a).exists(), "a visitor's previous files are removed"
+
+
+def test_the_lessons_end_points_at_the_ladder_of_the_visitors_engine(pg):
+    """The end's text: 'your engine since it started' gives a ladder from every prompt token down to what the
+    engine served from its cache ('delivered'), each gap split into causes. After step 9 (the visitor's own pool),
+    on the end page, that ladder's top rung is the step's prompt tokens and its last the step's cached tokens, as the
+    request table counted them."""
+    session, ui, end = "ladder-end", pg.ctx.ui, pg.ctx.lesson.end
+    assert ui.ladder.compute.value in end.text and view.ENGINE in end.text and "'delivered'" in end.text
+    step = len(pg.ctx.lesson.steps) - 1
+    loaded = pg.setup.lesson(step, 0, request(session), no_progress)
+    scenario = SCENARIO_BY_NAME[pg.ctx.lesson.steps[step].scenario]
+    fields = {f"prompt_{i + 1}": p for i, p in enumerate(scenario.prompts)}
+    fields |= {"n_panels": len(scenario.prompts), "shared_prefix": scenario.prefix, "max_tokens": scenario.max_tokens}
+    run(pg, session, **fields, cache_namespace=loaded[ui.form.cache_namespace])
+    table = pg.runs.after_run(request(session))[ui.cache.table]
+    pg.setup.lesson(step, 1, request(session), no_progress)  # Lesson ▶: the end
+    shown = pg.ladders.compute(view.ENGINE, "lru", None, request(session), no_progress)
+    counted = ladder_of(shown, pg)
+    prompt, cached = TABLE_COLUMNS.index("prompt tokens"), TABLE_COLUMNS.index(causes.CAUSES[Cause.CACHED][0])
+    assert counted["rungs"]["prompt_tokens"]["tokens"] == sum(int(row[prompt]) for row in table)
+    assert counted["rungs"]["delivered"]["tokens"] == sum(int(row[cached]) for row in table) > 0
+    assert list(counted["rungs"])[-1] == "delivered"
+    assert all(sum(g["causes"].values()) == g["tokens"] for g in counted["gaps"])
