@@ -4,9 +4,11 @@ Gradio would call it (issue 44)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -186,3 +188,43 @@ def test_the_lessons_end_points_at_the_ladder_of_the_visitors_engine(pg):
     assert counted["rungs"]["delivered"]["tokens"] == sum(int(row[cached]) for row in table) > 0
     assert list(counted["rungs"])[-1] == "delivered"
     assert all(sum(g["causes"].values()) == g["tokens"] for g in counted["gaps"])
+
+
+def test_a_fleets_ladder_puts_each_request_on_the_replica_that_served_it():
+    """A vLLM fleet, as its backend reports it (no policy, no salts, replicas named by their KV events): the same
+    10-token prompt on replica 1, replica 2, then replica 1 again (pages of 4: 2 reusable). One pool would serve the
+    second and the third (16 tokens); replica 1's own pool serves only the third (8): 8 lost to routing. A fourth
+    request whose replica no event names is left out, and the caption says so."""
+    from astrai.observation import CacheStats, RequestInfo
+    from astrai.playground.backends.protocol import Served
+    from astrai.playground.callbacks.ladder import visitor_ladder
+
+    def stats(n_pages: int | None) -> CacheStats:
+        base = dict.fromkeys(f.name for f in dataclasses.fields(CacheStats))
+        fields = dict(finished=4, cancelled=0, failed=0, generated_tokens=0, steps=1, prefix_caching=True)
+        return CacheStats(**(base | fields | {"page_size": 4, "n_pages": n_pages}))
+
+    replicas = tuple(
+        SimpleNamespace(name=f"replica {r}", label=f"replica {r} (127.0.0.1:80{r})", stats=lambda: stats(100))
+        for r in (1, 2)
+    )
+    prompt = tuple(range(10))
+    infos = [
+        RequestInfo(i, "finished", 10, hit, 2, 0, prompt, (), 0.1, 1.0, None) for i, hit in enumerate((0, 0, 8, 0))
+    ]
+    where = {0: replicas[0], 1: replicas[1], 2: replicas[0]}
+    fleet = SimpleNamespace(
+        replicas=replicas,
+        stats=lambda: stats(200),
+        events=lambda after: [],
+        served_by=lambda ids: {i: Served(where[i].label, "its KV events") for i in ids if i in where},
+    )
+    counted = visitor_ladder(fleet, infos, view.ENGINE)
+    assert not isinstance(counted, str), counted
+    built = counted.ladder
+    assert (built.replicas, built.requests, built.capacity, built.policy) == (2, 3, 100, "lru")
+    assert [(r.name, r.tokens) for r in built.rungs[-3:]] == [("single_pool", 16), ("lru", 8), ("delivered", 8)]
+    assert built.gap("routing").causes == (("other_replica", 8),)
+    words = view.caption(built, view.ENGINE, counted.notes)
+    assert "1 requests whose replica is not known are left out" in words and "on 2 replicas" in words
+    assert "does not report its eviction policy" in words and "do not say each request's namespace" in words
