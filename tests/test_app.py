@@ -61,7 +61,7 @@ def test_run_streams_every_panel_and_equals_the_engine(client):
     assert cached[0] == 0 and min(cached[1:]) > 0, badges  # panels after the first share the prefix pages
 
 
-def test_only_four_components_ever_carry_a_loading_status(server_url):
+def test_only_five_components_ever_carry_a_loading_status(server_url):
     """Gradio's front end refreshes, at every status message of every event (each streamed message among them),
     the loading status of every component that any event has shown progress on, cloning its props: with the
     defaults (progress on all outputs) up to 56 components a message, and the streamed text lagged."""
@@ -74,7 +74,7 @@ def test_only_four_components_ever_carry_a_loading_status(server_url):
         if dependency["targets"]:  # gr.api endpoints have no trigger on the page
             shown = dependency["show_progress_on"]
             targets |= set(dependency["outputs"] if shown is None else shown)
-    assert {elem[t] for t in targets} == {"out_0", "scenario_note", "engine_status", "sizing_note"}
+    assert {elem[t] for t in targets} == {"out_0", "scenario_note", "engine_status", "sizing_note", "ladder_note"}
 
 
 def test_stop_cancels_and_releases_pages(client):

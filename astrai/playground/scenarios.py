@@ -354,8 +354,11 @@ WHAT_YOU_SAW = LessonEnd(
     "What you saw",
     "lesson_end",
     "Below: every prompt token of your runs since you opened the page (or restarted the lesson), counted by why it "
-    "was served from the cache or computed, and the five reasons a token is computed. Press Restart lesson to go "
-    "through the steps again.",
+    "was served from the cache or computed, and the five reasons a token is computed. Under the hit rate chart, "
+    "'Why is my hit rate low?' counts your engine's requests from the other end: pick 'your engine since it "
+    "started' and press it for a ladder from every prompt token down to the tokens your engine served from its "
+    "cache (its last rung, 'delivered'), each gap between two rungs split into its causes (hover it). Press Restart "
+    "lesson to go through the steps again.",
 )
 
 

@@ -183,6 +183,12 @@ class Visitors:
             while len(self._owners) > KEEP_OWNERS:
                 self._owners.popitem(last=False)
 
+    def requests(self) -> list[int]:
+        """Every visitor's requests still remembered (the last ``KEEP_OWNERS``), oldest first: an engine's
+        ladder counts them all, as token ids (``callbacks/ladder.py``)."""
+        with self._lock:
+            return list(self._owners)
+
     def requests_of(self, session: str) -> list[int]:
         """The session's requests still remembered (the last ``KEEP_OWNERS`` of all visitors'), oldest first."""
         with self._lock:

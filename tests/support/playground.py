@@ -13,6 +13,7 @@ import gradio as gr
 
 from astrai.playground.backends.engines import LocalEngines
 from astrai.playground.callbacks.context import Context
+from astrai.playground.callbacks.ladder import LadderCallbacks
 from astrai.playground.callbacks.live import LiveCallbacks
 from astrai.playground.callbacks.pacing import StreamingRuns
 from astrai.playground.callbacks.replay import ReplayCallbacks
@@ -32,6 +33,7 @@ class Playground:
     replays: ReplayCallbacks
     setup: SetupCallbacks
     sizing: SizingCallbacks
+    ladders: LadderCallbacks
 
     def fields(self, **changes: Any) -> dict[str, Any]:
         """The run form as the page opens, with ``changes``."""
@@ -56,7 +58,13 @@ def playground(**engine_options: Any) -> Iterator[Playground]:
     runs = RunCallbacks(ctx)
     try:
         yield Playground(
-            ctx, runs, LiveCallbacks(ctx, runs), ReplayCallbacks(ctx), SetupCallbacks(ctx, runs), SizingCallbacks(ctx)
+            ctx,
+            runs,
+            LiveCallbacks(ctx, runs),
+            ReplayCallbacks(ctx),
+            SetupCallbacks(ctx, runs),
+            SizingCallbacks(ctx),
+            LadderCallbacks(ctx),
         )
     finally:
         engines.shutdown()

@@ -21,7 +21,7 @@ from astrai.playground.ui.components import Components
 
 # Events that show no progress also register none: Gradio's front end refreshes, at every status message of every
 # event (each streamed text message among them), the loading status of every component any event has shown progress
-# on, cloning its props. Left on all outputs, up to 56 components a message (tests/test_app.py keeps it at 4).
+# on, cloning its props. Left on all outputs, up to 56 components a message (tests/test_app.py keeps it at 5).
 class Quiet(TypedDict):
     show_progress: Literal["full", "minimal", "hidden"]
     show_progress_on: list[Component]

@@ -7,6 +7,7 @@ import gradio as gr
 from astrai.playground import knobs
 from astrai.playground.backends.protocol import Engines
 from astrai.playground.callbacks.context import Context
+from astrai.playground.callbacks.ladder import LadderCallbacks
 from astrai.playground.callbacks.live import LiveCallbacks
 from astrai.playground.callbacks.pacing import StreamingRuns
 from astrai.playground.callbacks.replay import ReplayCallbacks
@@ -48,5 +49,6 @@ def build_demo(engines: Engines, teacher_key: str | None = knobs.TEACHER_KEY) ->
         SetupCallbacks(ctx, runs).wire(demo)
         RoutingCallbacks(ctx, runs).wire()
         SizingCallbacks(ctx).wire(demo)
+        LadderCallbacks(ctx).wire()
     demo.queue(max_size=knobs.QUEUE_SIZE, default_concurrency_limit=2)
     return demo

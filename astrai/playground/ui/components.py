@@ -94,6 +94,18 @@ class SizingViews:
 
 
 @dataclass(frozen=True)
+class LadderViews:
+    """Why is my hit rate low?: a source, a policy (for the traces), the ladder's chart, caption and exports."""
+
+    source: gr.Radio  # views.ladder.SOURCES
+    policy: gr.Dropdown  # the traces' replay policy; the visitor's sources take their engine's own
+    compute: gr.Button
+    chart: gr.Plot
+    note: gr.Markdown
+    downloads: dict[str, gr.DownloadButton]  # "html", "json", "csv" -> its button
+
+
+@dataclass(frozen=True)
 class EngineForm:
     """The Engine settings panel: a visitor's own profile."""
 
@@ -132,6 +144,7 @@ class Components:
     replay: ReplayControls
     setup: Setup
     sizing: SizingViews
+    ladder: LadderViews
 
     def run_fields(self) -> dict[str, gr.Component]:
         """The run's inputs by API parameter name (``/run`` and ``/compare`` take them by these names)."""

@@ -19,6 +19,7 @@ from astrai.playground.ui.components import (
     CacheViews,
     Components,
     EngineForm,
+    LadderViews,
     Panels,
     ReplayControls,
     RunButtons,
@@ -26,7 +27,7 @@ from astrai.playground.ui.components import (
     Setup,
     SizingViews,
 )
-from astrai.playground.views import sizing, text
+from astrai.playground.views import ladder, sizing, text
 
 EVICTION_NAMES = {
     "lru": "LRU: least recently used",
@@ -134,6 +135,7 @@ def build_layout(default: Profile, model_choices: list[str], chooses_pools: bool
         with gr.Column():
             hit_rate = gr.Plot(elem_id="plot_2", show_label=False)
             gr.Markdown(f"<small>{CAPTIONS['hit_rate']}</small>")
+    ladder_views = _ladder()  # beside the hit rate: why it is not higher
     with gr.Row(equal_height=False):
         with gr.Column(scale=3):
             prefix_tree = gr.Plot(elem_id="prefix_tree", show_label=False)
@@ -183,6 +185,7 @@ def build_layout(default: Profile, model_choices: list[str], chooses_pools: bool
         replay=replay,
         setup=Setup(scenario, note, lesson_prev, lesson_next, restart, lesson_end, gr.State(0), engine),
         sizing=sizing_views,
+        ladder=ladder_views,
     )
 
 
@@ -214,6 +217,31 @@ def _sizing() -> SizingViews:
         headers=sizing.TABLE_COLUMNS, label="At that capacity", interactive=False, elem_id="sizing_table"
     )
     return SizingViews(trace, capacity, replay_mine, chart, table, note)
+
+
+def _ladder() -> LadderViews:
+    """Why is my hit rate low?: the hit-rate ladder of the visitor's runs, their engine, or a shipped trace."""
+    with gr.Row(equal_height=False, elem_id="ladder"):
+        with gr.Column(scale=3):
+            chart = gr.Plot(elem_id="ladder_chart", show_label=False)
+        with gr.Column(scale=2):
+            source = gr.Radio(list(ladder.SOURCES), value=ladder.LAST_RUN, label="Count", elem_id="ladder_source")
+            policy = gr.Dropdown(
+                [(EVICTION_NAMES[name], name) for name in POLICIES],
+                value="lru",
+                label="Policy for the traces (your runs and engine: your engine's own)",
+                elem_id="ladder_policy",
+            )
+            compute = gr.Button("Why is my hit rate low?", size="sm", variant="primary", elem_id="ladder_btn")
+            note = gr.Markdown(ladder.WAITING, elem_id="ladder_note")
+            with gr.Row():
+                downloads = {
+                    kind: gr.DownloadButton(
+                        f"{label} ↓", size="sm", interactive=False, elem_id=f"ladder_{kind}", min_width=60
+                    )
+                    for kind, label in (("html", "HTML report"), ("json", "JSON"), ("csv", "CSV"))
+                }
+    return LadderViews(source, policy, compute, chart, note, downloads)
 
 
 def _panels(prompts: list[str]) -> Panels:
