@@ -8,6 +8,11 @@ submitted together compute their shared prefix once.
 Hit accounting follows vLLM's ``PrefixCacheStats``: a request's prompt is counted once, at its first admission;
 a preempted request that comes back is counted apart (``readmitted_*``), so the hit rate can never exceed 1. With
 prefix caching off nothing is looked up, and nothing is counted: the counters stay 0 rather than show a 0% hit rate.
+
+A second tier (``attach_tier``, ``astrai.tier``) continues the lookup: each page of the chain is looked up in the
+pool, then among this step's pending pages, then in the tier, and the hit is the longest leading run found in any
+of them, under the same cap. A tier's pages are copied into fresh pool pages and registered there during the
+admission, before the forward that reads them; they count as hits (and apart, in ``tier_hit_tokens``).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections import deque
 
 from astrai.page_pool import PageKey, PagePool, namespace_id, page_key
 from astrai.request import Request
+from astrai.tier import SecondTier, Staged
 
 HIT_WINDOW = 32  # lookups in the "recent" hit rate
 
@@ -31,6 +37,17 @@ class KVCacheManager:
         self.readmitted_query_tokens = 0  # admissions after a preemption
         self.readmitted_hit_tokens = 0
         self._recent: deque[tuple[int, int]] = deque(maxlen=HIT_WINDOW)
+        self.tier: SecondTier | None = None
+        self.tier_hit_tokens = 0  # of ``hit_tokens``, those the second tier served (first admissions)
+
+    def attach_tier(self, tier: SecondTier) -> None:
+        """Continue every lookup into ``tier`` and write pages to it as its write policy says: at registration
+        (``commit``) for "through", as the pool evicts them (the pool's ``on_evict``) for "on_evict"."""
+        if not self.prefix_caching:
+            raise ValueError("a second tier needs prefix caching: with it off nothing is looked up")
+        self.tier = tier
+        if tier.write_policy == "on_evict":
+            self.pool.on_evict = tier.write
 
     # ----- keys -----------------------------------------------------------------------------------------
     def _keys(self, req: Request, n_pages: int) -> list[PageKey]:
@@ -49,22 +66,29 @@ class KVCacheManager:
         """Attach the longest cached prefix and allocate pages for the first chunk.
 
         Returns how many tokens to compute this step, or 0 when the pool cannot fit the chunk. The fit is checked
-        before any page is taken, so a refused admission changes nothing: no ref, no LRU move, no page hit and no
-        query counted (as in vLLM). A request waiting under pressure is looked up at every step, but only the
-        admission that succeeds counts. The hit is capped at ``len(tokens) - 1``: the last token is always
-        recomputed for its logits.
+        before any page is taken, so a refused admission changes nothing: no ref, no LRU move, no page hit, no load
+        from the second tier and no query counted (as in vLLM). A request waiting under pressure is looked up at
+        every step, but only the admission that succeeds counts. The hit is capped at ``len(tokens) - 1``: the last
+        token is always recomputed for its logits. Pages found in the second tier take fresh pool pages (counted in
+        the fit) and are loaded into them here; if its store fails, the tier switches itself off and the lookup is
+        made again without it.
         """
-        hits = self._match_prefix(req)
+        hits, slots = self._match_prefix(req)
         hit = len(hits) * self.page_size
         count = min(len(req.token_ids) - hit, token_budget)
-        need = self._pages_for(hit + count) - len(hits)
-        revived = sum(self.pool.ref_count[page] == 0 for page in hits)  # cached hits leave the LRU: not evictable
+        shared = [page for page in hits if page is not None]
+        need = self._pages_for(hit + count) - len(shared)
+        revived = sum(self.pool.ref_count[page] == 0 for page in shared)  # cached hits leave the LRU: not evictable
         if need + revived > self.pool.available:
             return 0
-        for page in hits:
+        staged = self.tier.take(slots) if slots and self.tier is not None else []
+        if staged is None:  # its store failed: the tier is off now, so nothing is loaded
+            return self.admit(req, token_budget)
+        for page in shared:  # before any allocation: a shared cached page must not be evicted for a load
             self.pool.acquire(page)
-        req.pages = list(hits)
-        req.pages.extend(self.pool.allocate(req.id) for _ in range(need))
+        loads = iter(staged)
+        req.pages = [page if page is not None else self._load(req, i, next(loads)) for i, page in enumerate(hits)]
+        req.pages.extend(self.pool.allocate(req.id) for _ in range(need - len(slots)))
         req.indexed_pages = len(hits)
         req.num_computed = hit
         readmission = req.cached_tokens is not None
@@ -78,22 +102,40 @@ class KVCacheManager:
         else:  # the first admission: the one the hit rate counts
             self.query_tokens += req.prompt_len
             self.hit_tokens += hit
+            self.tier_hit_tokens += len(slots) * self.page_size
             self._recent.append((req.prompt_len, hit))
         return count
 
-    def _match_prefix(self, req: Request) -> list[int]:
+    def _match_prefix(self, req: Request) -> tuple[list[int | None], list[int]]:
+        """The hit: per leading page, its pool page (cached or pending), or None where the second tier holds it;
+        and the tier's slots of those, in order."""
         if not self.prefix_caching:
-            return []
-        hits: list[int] = []
+            return [], []
+        hits: list[int | None] = []
+        slots: list[int] = []
         for i, key in enumerate(self._keys(req, (len(req.token_ids) - 1) // self.page_size)):
             tokens = self._page_tokens(req, i)
             page = self.pool.lookup(key, tokens)
             if page is None and key in self._pending:
                 page = self._pending[key][0]
             if page is None:
-                break
+                slot = self.tier.find(key, tokens) if self.tier is not None else None
+                if slot is None:
+                    break
+                slots.append(slot)
             hits.append(page)
-        return hits
+        return hits, slots
+
+    def _load(self, req: Request, i: int, staged: Staged) -> int:
+        """A fresh pool page for the request's ``i``-th page, holding the KV staged from the second tier, indexed."""
+        assert self.tier is not None, "only a tier stages pages"
+        page = self.pool.allocate(req.id)
+        keys = self._keys(req, i + 1)
+        parent = keys[i - 1] if i else None
+        tokens = self._page_tokens(req, i)
+        self.pool.register(page, keys[i], tokens, i, parent, request=req.id, namespace=namespace_id(req.cache_salt))
+        self.tier.install(page, staged, req.id)
+        return page
 
     def _pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -124,7 +166,11 @@ class KVCacheManager:
             for i in range(req.indexed_pages, full):
                 parent = keys[i - 1] if i else None
                 tokens = self._page_tokens(req, i)
-                self.pool.register(req.pages[i], keys[i], tokens, i, parent, request=req.id, namespace=namespace)
+                stored = self.pool.register(
+                    req.pages[i], keys[i], tokens, i, parent, request=req.id, namespace=namespace
+                )
+                if stored and self.tier is not None and self.tier.write_policy == "through":
+                    self.tier.write(req.pages[i], keys[i], tokens, parent)
         req.indexed_pages = max(req.indexed_pages, full)
 
     def end_step(self) -> None:
@@ -150,5 +196,8 @@ class KVCacheManager:
         )
 
     def clear(self) -> int:
+        """Empty the prefix cache, the second tier's pages included. Returns the pool's pages freed."""
         self._pending.clear()
+        if self.tier is not None:
+            self.tier.clear()
         return self.pool.clear()

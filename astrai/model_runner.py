@@ -395,6 +395,29 @@ class ModelRunner:
         self.prepared.forwards.forget(self)
         self.prepared.release()
 
+    def page_buffer(self, count: int) -> torch.Tensor:
+        """``count`` host buffers of one KV page each, ``[count, layers, 2 (K, V), kv_heads, page_size, head_dim]`` in
+        the KV dtype: what the second tier (``astrai.tier``) stores a page as. Pinned where the KV is on CUDA."""
+        k = self.kv_cache[0][0]
+        shape = (count, len(self.kv_cache), 2, k.shape[0], self.page_size, k.shape[2])
+        return torch.empty(shape, dtype=k.dtype, pin_memory=k.device.type == "cuda")
+
+    @torch.inference_mode()
+    def copy_page_out(self, page: int, out: torch.Tensor) -> None:
+        """Copy KV page ``page`` (every layer's K and V) into ``out``, one of ``page_buffer``'s pages."""
+        lo = page * self.page_size
+        for layer, (k, v) in enumerate(self.kv_cache):
+            out[layer, 0].copy_(k[:, lo : lo + self.page_size])
+            out[layer, 1].copy_(v[:, lo : lo + self.page_size])
+
+    @torch.inference_mode()
+    def copy_page_in(self, page: int, src: torch.Tensor) -> None:
+        """Write ``src``, one of ``page_buffer``'s pages, into KV page ``page`` (every layer's K and V)."""
+        lo = page * self.page_size
+        for layer, (k, v) in enumerate(self.kv_cache):
+            k[:, lo : lo + self.page_size].copy_(src[layer, 0])
+            v[:, lo : lo + self.page_size].copy_(src[layer, 1])
+
     @torch.inference_mode()
     def step(self, work: list[tuple[Request, int]]) -> torch.Tensor:
         """Compute ``count`` tokens of each request; return logits [R, V] (on the device) for the requests that

@@ -96,6 +96,9 @@ class PagePool:
         self.stats = PoolStats()
         self._emit = emit  # None (a pool used on its own: tests, the trace replay): no event is built
         self.policy: EvictionPolicy = make_policy(eviction, self)  # holds the cached pages; reads the lists above
+        # told of each eviction once it is done (page, key, tokens, parent), while the page's KV is still intact:
+        # the second tier's "on_evict" policy writes it there (``astrai.tier``); None: nobody listens
+        self.on_evict: Callable[[int, PageKey, tuple[int, ...], PageKey | None], None] | None = None
 
     # ----- queries -------------------------------------------------------------------------------------
     @property
@@ -255,6 +258,8 @@ class PagePool:
                 for_request=for_request,
                 evictable=evictable,
             )
+        if self.on_evict is not None and key is not None and tokens is not None:
+            self.on_evict(page, key, tokens, parent)
         return page
 
     def _reset(self, page: int) -> None:
