@@ -180,7 +180,8 @@ class TierPageWritten(EngineEvent):
 @dataclass(frozen=True, slots=True)
 class TierPageLoaded(EngineEvent):
     """A page's KV was loaded from the second tier's ``slot`` into pool page ``page`` for ``request``'s lookup (the
-    pool's ``PageStored`` for it comes just before), in ``seconds`` (reading the store and copying in)."""
+    pool's ``PageStored`` for it comes just before), in ``seconds`` (reading the store and copying in). ``kept``:
+    the tier keeps its copy ("through"), or gave it up to the pool ("on_evict")."""
 
     page: int
     key: bytes
@@ -188,6 +189,7 @@ class TierPageLoaded(EngineEvent):
     request: int | None
     nbytes: int
     seconds: float
+    kept: bool
 
 
 @dataclass(frozen=True, slots=True)

@@ -174,6 +174,7 @@ class SecondTier:
                 request=request,
                 nbytes=self.store.page_bytes,
                 seconds=seconds,
+                kept=self.write_policy == "through",
             )
 
     # ----- writes -----------------------------------------------------------------------------------
