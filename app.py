@@ -31,6 +31,7 @@ import sys
 import threading
 
 from astrai.playground import create_app
+from astrai.playground.backends.heap import limit_arenas
 
 
 def _env_list(name: str) -> list[str]:
@@ -131,6 +132,7 @@ def build_kernels_while(module: str) -> None:
 
 ARGS = parse_args()
 check_knobs()
+limit_arenas()  # before the server's threads: each would otherwise hold free memory of an arena of its own
 engines = make_engines(ARGS)
 if engines is None:  # the embedded engine: its page answers within seconds of the process's start
     build_kernels_while("gradio")

@@ -88,7 +88,7 @@ class KVCacheManager:
             self.pool.acquire(page)
         loads = iter(staged)
         req.pages = [page if page is not None else self._load(req, i, next(loads)) for i, page in enumerate(hits)]
-        req.pages.extend(self.pool.allocate(req.id) for _ in range(need - len(slots)))
+        self._allocate(req, need - len(slots))
         req.indexed_pages = len(hits)
         req.num_computed = hit
         readmission = req.cached_tokens is not None
@@ -129,8 +129,8 @@ class KVCacheManager:
     def _load(self, req: Request, i: int, staged: Staged) -> int:
         """A fresh pool page for the request's ``i``-th page, holding the KV staged from the second tier, indexed."""
         assert self.tier is not None, "only a tier stages pages"
-        page = self.pool.allocate(req.id)
         keys = self._keys(req, i + 1)
+        page = self.pool.allocate(req.id, keys[i])  # named: the policy hears of the miss before it evicts
         parent = keys[i - 1] if i else None
         tokens = self._page_tokens(req, i)
         self.pool.register(page, keys[i], tokens, i, parent, request=req.id, namespace=namespace_id(req.cache_salt))
@@ -146,8 +146,18 @@ class KVCacheManager:
         if need > self.pool.available:
             return False
         if need > 0:  # a decode step mostly has a page to write into already
-            req.pages.extend(self.pool.allocate(req.id) for _ in range(need))
+            self._allocate(req, need)
         return True
+
+    def _allocate(self, req: Request, need: int) -> None:
+        """Append ``need`` fresh pages, each named to the pool by the chain key it will be registered under where its
+        tokens are known to fill it (a prompt's full pages): the eviction policy hears of the miss before it picks a
+        victim (ARC adapts to its ghosts so)."""
+        first = len(req.pages)
+        full = min(len(req.token_ids) // self.page_size, first + need) if self.prefix_caching else 0
+        keys = self._keys(req, full) if full > first else []
+        for i in range(first, first + need):
+            req.pages.append(self.pool.allocate(req.id, keys[i] if i < full else None))
 
     def mark_pending(self, req: Request, total_tokens: int) -> None:
         """Offer the pages this step's forward will complete to requests admitted later in the same step."""
@@ -170,7 +180,7 @@ class KVCacheManager:
                     req.pages[i], keys[i], tokens, i, parent, request=req.id, namespace=namespace
                 )
                 if stored and self.tier is not None and self.tier.write_policy == "through":
-                    self.tier.write(req.pages[i], keys[i], tokens, parent)
+                    self.tier.write(req.pages[i], keys[i], tokens, parent, i)
         req.indexed_pages = max(req.indexed_pages, full)
 
     def end_step(self) -> None:

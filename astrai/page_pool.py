@@ -10,7 +10,8 @@ The policy (``astrai/eviction.py``; LRU unless the engine names another) orders 
 O(1) or O(log n) per call, and the index is a dict. The free list is a min-heap (O(log n)): a fresh page is always
 the lowest-numbered free one, so the pages in use stay packed at the low end of the pool and a page map of a large,
 lightly used pool stays legible. ``allocate`` evicts only when the free list is empty; ``evict`` evicts on demand
-(the trace replay trims its cache to a capacity so).
+(the trace replay trims its cache to a capacity so). The pool tells its policy what happens to each page, and the
+policy reads nothing of the pool (``astrai.eviction.EvictionPolicy``).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class PagePool:
     """Owns page bookkeeping (not the KV tensors themselves): states, ref counts, hashes, eviction order, free list.
 
     ``eviction`` names a policy of ``astrai.eviction.POLICIES`` (a ``ValueError`` names the choices otherwise) or is
-    a factory of one (the trace replay's Belady, which needs the future).
+    a factory of one from the pool's size (the trace replay's Belady, which needs the future).
     """
 
     def __init__(
@@ -88,17 +89,17 @@ class PagePool:
         self.chain_pos: list[int] = [-1] * n_pages
         self.parent_key: list[PageKey | None] = [None] * n_pages
         self.stored_by: list[int | None] = [None] * n_pages  # the request whose forward wrote the indexed KV
-        self.hits: list[int] = [0] * n_pages  # prefix hits served since the page was registered
+        self.hits: list[int] = [0] * n_pages  # prefix hits served since the page was allocated
         self.touched: dict[int, None] = {}  # pages changed since ``take_touched``, in the order of their last change
         self.index: dict[PageKey, int] = {}
         self.free: list[int] = list(range(n_pages))  # a heap (a sorted list is one)
         self._used = 0  # pages with ref count >= 1, kept as refs go 0 -> 1 -> 0 (see ``used_pages``)
         self.stats = PoolStats()
         self._emit = emit  # None (a pool used on its own: tests, the trace replay): no event is built
-        self.policy: EvictionPolicy = make_policy(eviction, self)  # holds the cached pages; reads the lists above
-        # told of each eviction once it is done (page, key, tokens, parent), while the page's KV is still intact:
-        # the second tier's "on_evict" policy writes it there (``astrai.tier``); None: nobody listens
-        self.on_evict: Callable[[int, PageKey, tuple[int, ...], PageKey | None], None] | None = None
+        self.policy: EvictionPolicy = make_policy(eviction, n_pages)  # holds the cached pages; told of each change
+        # told of each eviction once it is done (page, key, tokens, parent, chain_pos), while the page's KV is still
+        # intact: the second tier's "on_evict" policy writes it there (``astrai.tier``); None: nobody listens
+        self.on_evict: Callable[[int, PageKey, tuple[int, ...], PageKey | None, int], None] | None = None
 
     # ----- queries -------------------------------------------------------------------------------------
     @property
@@ -147,17 +148,20 @@ class PagePool:
         if self.ref_count[page] == 0:
             if page not in self.policy:
                 raise RuntimeError(f"page {page} is free; only in-use or cached pages can be shared")
-            self.policy.revived(page)
             self._used += 1
+        self.policy.hit(page)
         self.ref_count[page] += 1
         self.hits[page] += 1
         self.touch(page)
 
-    def allocate(self, for_request: int | None = None) -> int:
+    def allocate(self, for_request: int | None = None, key: PageKey | None = None) -> int:
         """A fresh page with ref count 1: the lowest free one, after evicting the policy's victim if none is free
-        (its event names ``for_request``, the request the page is for)."""
+        (its event names ``for_request``, the request the page is for). ``key``: the chain key the page will be
+        registered under, where the caller knows it; the policy hears of the miss before it picks a victim."""
+        if key is not None:
+            self.policy.missed(key)
         if not self.free:
-            self.evict(for_request)
+            self.evict(for_request, incoming=key)
         page = heapq.heappop(self.free)
         self.ref_count[page] = 1
         self._used += 1
@@ -166,7 +170,7 @@ class PagePool:
 
     def release(self, pages: Sequence[int]) -> None:
         """Drop one reference on each page, tail-first, so a request's tail pages are evicted before its head."""
-        ref_count, key, cached, touch = self.ref_count, self.key, self.policy.cached, self.touch
+        ref_count, key, hits, cached, touch = self.ref_count, self.key, self.hits, self.policy.cached, self.touch
         for page in reversed(pages):
             if ref_count[page] <= 0:
                 raise RuntimeError(f"page {page} released more often than acquired")
@@ -175,7 +179,7 @@ class PagePool:
             if ref_count[page] == 0:
                 self._used -= 1
                 if key[page] is not None:
-                    cached(page)
+                    cached(page, hits[page])
                 else:
                     self._reset(page)
                     heapq.heappush(self.free, page)
@@ -206,7 +210,7 @@ class PagePool:
         self.parent_key[page] = parent
         self.stored_by[page] = request
         self.stats.stored += 1
-        self.policy.stored(page)
+        self.policy.stored(page, key, chain_pos)
         self.touch(page)
         if self._emit is not None:
             self._emit(
@@ -233,15 +237,16 @@ class PagePool:
         self.index.clear()
         return freed
 
-    def evict(self, for_request: int | None = None) -> int:
+    def evict(self, for_request: int | None = None, incoming: PageKey | None = None) -> int:
         """Evict the page the policy picks (one must be cached): its KV is forgotten and it goes free. Returns it.
 
-        Its event says for which request (None: on demand) and how many pages were evictable then, it the first."""
+        ``incoming``: the key of the page the eviction makes room for, if known (ARC's REPLACE reads it). The event
+        says for which request (None: on demand) and how many pages were evictable then, it the first."""
         if not self.policy:
             raise MemoryError("no free or evictable page left")
         evictable = len(self.policy)
-        page = self.policy.victim()
-        key, parent, tokens = self.key[page], self.parent_key[page], self.tokens[page]
+        page = self.policy.victim(incoming)
+        key, parent, tokens, chain_pos = self.key[page], self.parent_key[page], self.tokens[page], self.chain_pos[page]
         if key is not None and self.index.get(key) == page:
             del self.index[key]
         self._reset(page)
@@ -259,7 +264,7 @@ class PagePool:
                 evictable=evictable,
             )
         if self.on_evict is not None and key is not None and tokens is not None:
-            self.on_evict(page, key, tokens, parent)
+            self.on_evict(page, key, tokens, parent, chain_pos)
         return page
 
     def _reset(self, page: int) -> None:

@@ -127,7 +127,7 @@ def test_the_tier_evicts_least_recently_used_first_and_loads_exact_copies(policy
     events: list = []
     tier, kv = tier_of(2, policy, events)
     for page in (0, 1, 2):  # a third page into two slots: the first written goes
-        tier.write(page, *keyed(page), None)
+        tier.write(page, *keyed(page), None, 0)
     assert tier.find(*keyed(0)) is None and tier.counters.evictions == 1
     assert [e for e, _ in events] == [TierPageWritten, TierPageWritten, TierPageEvicted, TierPageWritten]
     slot = tier.find(*keyed(1))
@@ -141,11 +141,11 @@ def test_the_tier_evicts_least_recently_used_first_and_loads_exact_copies(policy
     if policy == "on_evict":  # a page loaded back leaves the tier: its slot is free for the next
         assert tier.find(*keyed(1)) is None and tier.held_pages == 1
     else:  # it stays, touched as the most recent: page 2 goes first now
-        tier.write(3, *keyed(3), None)
+        tier.write(3, *keyed(3), None, 0)
         assert tier.find(*keyed(2)) is None and tier.find(*keyed(1)) is not None
-    tier.write(2, *keyed(2), None)
+    tier.write(2, *keyed(2), None, 0)
     written = tier.counters.written_pages
-    tier.write(2, *keyed(2), None)  # a key held is touched, not written again
+    tier.write(2, *keyed(2), None, 0)  # a key held is touched, not written again
     assert tier.counters.written_pages == written
     tier.check_invariants()
     held = tier.held_pages
@@ -155,7 +155,7 @@ def test_the_tier_evicts_least_recently_used_first_and_loads_exact_copies(policy
 
 def test_a_tier_whose_store_fails_switches_off_and_serves_nothing(caplog):
     tier, _ = tier_of(4, "through")
-    tier.write(0, *keyed(0), None)
+    tier.write(0, *keyed(0), None, 0)
     slot = tier.find(*keyed(0))
     assert slot is not None
     tier.store.fail_reads = True  # type: ignore[attr-defined]
@@ -164,13 +164,13 @@ def test_a_tier_whose_store_fails_switches_off_and_serves_nothing(caplog):
     assert not tier.enabled and "Input/output error" in (tier.error or "")
     assert "switched off" in caplog.text
     assert tier.find(*keyed(0)) is None and tier.held_pages == 0
-    tier.write(1, *keyed(1), None)  # nothing is written once it is off
+    tier.write(1, *keyed(1), None, 0)  # nothing is written once it is off
     assert tier.counters.written_pages == 1
     tier.check_invariants()
 
     tier, _ = tier_of(4, "on_evict")
     tier.store.fail_writes = True  # type: ignore[attr-defined]
-    tier.write(0, *keyed(0), None)
+    tier.write(0, *keyed(0), None, 0)
     assert not tier.enabled and "No space left" in (tier.error or "")
     tier.check_invariants()
 

@@ -67,7 +67,18 @@ def run_and_wait(page: Any, panels: int, timeout_ms: int = 60000) -> None:
 
     A click empties the table before the run fills it again; until the emptying arrives, the last run's finished
     rows are still on the page, and a wait for them alone would return at once, while this run still streams. So the
-    table is first seen with fewer finished rows, then with all of them."""
+    table must first be seen with fewer finished rows, then with all of them. A page's observer of its own DOM sees
+    the emptying, however briefly it lasts (a small pool's run can refill the table between two polls), and a page
+    drawn in the background may get no animation frames to poll on: it is polled by the clock."""
+    page.evaluate(
+        f"""() => {{
+        window.astraiTableEmptied = false;
+        const observer = new MutationObserver(() => {{
+            if ({FINISHED_ROWS} < {panels}) {{ window.astraiTableEmptied = true; observer.disconnect(); }}
+        }});
+        observer.observe(document.body, {{childList: true, subtree: true, characterData: true}});
+    }}"""
+    )
     page.click("#run_btn")
-    page.wait_for_function(f"{FINISHED_ROWS} < {panels}", timeout=timeout_ms)
-    page.wait_for_function(f"{FINISHED_ROWS} >= {panels}", timeout=timeout_ms)
+    done = f"window.astraiTableEmptied && {FINISHED_ROWS} >= {panels}"
+    page.wait_for_function(done, timeout=timeout_ms, polling=100)

@@ -1,7 +1,7 @@
 """Screenshots of the running app in headless Chromium, as README shows it and as a teacher projects it.
 
     python -m tools.screenshot                       # README's image: assets/playground.png
-    python -m tools.screenshot --teacher --steps 1,3,6,8 --out-dir docs
+    python -m tools.screenshot --teacher --steps 1,3,6,8,9 --out-dir docs
                                                      # the teacher's page in presenter mode: docs/teacher-step-N.png
 
 It starts this checkout's app.py on loopback (``--url`` uses a running one instead; ``--teacher`` then needs its
@@ -32,9 +32,12 @@ ROOT = Path(__file__).resolve().parents[1]
 README_IMAGE = ROOT / "assets" / "playground.png"
 VIEWPORT = (1366, 768)
 WAIT_MS = 120_000
-SCROLL_TO_JS = (  # presenter mode makes scrollIntoView a no-op: scroll the window itself
+SCROLL_TO_JS = (  # presenter mode makes scrollIntoView a no-op: scroll the window itself, the view just below the
+    # lesson bar pinned at the top
     "(id) => { const e = id && document.getElementById(id);"
-    " window.scrollTo(0, e ? e.getBoundingClientRect().top + window.scrollY - 8 : 0); }"
+    " const bar = document.getElementById('lesson_bar');"
+    " const pinned = bar ? bar.getBoundingClientRect().height : 0;"
+    " window.scrollTo(0, e ? e.getBoundingClientRect().top + window.scrollY - pinned - 8 : 0); }"
 )
 SAVINGS_DRAWN = (
     "(() => { const p = document.querySelector('#savings .js-plotly-plot');"
@@ -65,23 +68,34 @@ def show_step(page: Any, steps: tuple[LessonStep, ...], number: int) -> None:
     for following in range(shown + 1, number + 1):
         page.evaluate("document.getElementById('lesson_next').click()")  # a script's click scrolls nothing
         page.wait_for_function(
-            f"document.querySelector('#scenario_note').innerText.includes('Lesson {following}/')", timeout=WAIT_MS
+            f"document.querySelector('#scenario_note').innerText.includes('Lesson {following}/')",
+            timeout=WAIT_MS,
+            polling=250,
         )
 
 
-def do_step(page: Any, step: LessonStep) -> None:
-    """Press what the step's note says, each run waited for to the end."""
-    panels = len(SCENARIO_BY_NAME[step.scenario].prompts)
+def do_step(page: Any, step: LessonStep) -> str:
+    """Press what the step's note says, each run waited for to the end; the id of the view that shows the result
+    (the step's own, or the table of Replay my requests)."""
+    scenario = SCENARIO_BY_NAME[step.scenario]
+    look_at = step.look_at
     for button in promises.presses(step):
         if button == "run":
-            run_and_wait(page, panels, timeout_ms=WAIT_MS)
+            run_and_wait(page, len(scenario.prompts), timeout_ms=WAIT_MS)
         elif button == "follow_up":
             page.click("#follow_btn")
             page.wait_for_timeout(500)
         elif button == "compare":
             page.click("#compare_btn")
-            page.wait_for_function(SAVINGS_DRAWN, timeout=WAIT_MS)
+            page.wait_for_function(SAVINGS_DRAWN, timeout=WAIT_MS, polling=250)
+        elif button == "replay_mine":  # its answer starts "N blocks", N the visitor's pool
+            page.wait_for_selector("#sizing_mine:not([disabled])", timeout=WAIT_MS)
+            page.click("#sizing_mine")
+            answered = "n => (document.getElementById('sizing_note')?.innerText || '').startsWith(`${n} blocks`)"
+            page.wait_for_function(answered, arg=scenario.profile.settings.n_pages, timeout=WAIT_MS, polling=250)
+            look_at = "sizing_mine"
     page.wait_for_timeout(2500)  # the live view's next ticks: the charts drawn up to the run's end
+    return look_at
 
 
 def capture(url: str, shots: dict[int, Path], teacher_key: str | None) -> None:
@@ -97,9 +111,8 @@ def capture(url: str, shots: dict[int, Path], teacher_key: str | None) -> None:
             page.locator("#teacher_view").get_by_text("Teacher's view").first.click()  # folded
         for number, path in sorted(shots.items()):
             show_step(page, steps, number)
-            do_step(page, steps[number - 1])
-            look_at = steps[number - 1].look_at if teacher_key else None
-            page.evaluate(SCROLL_TO_JS, look_at)
+            look_at = do_step(page, steps[number - 1])
+            page.evaluate(SCROLL_TO_JS, look_at if teacher_key else None)
             path.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(path))
             print(f"wrote {path}")

@@ -16,9 +16,10 @@ turned up in 9,000 traces searched while writing it.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 from astrai.eviction import HeapPolicy
 from astrai.lab.trace import Trace
-from astrai.page_pool import PagePool
 
 
 class Future:
@@ -51,15 +52,19 @@ class Belady(HeapPolicy):
 
     name = "belady"
 
-    def __init__(self, pool: PagePool, future: Future) -> None:
-        super().__init__(pool)
+    def __init__(self, n_pages: int, future: Future) -> None:
+        super().__init__(n_pages)
         self.future = future
         self.now = 0
+        self._chain_pos = [0] * n_pages  # each registered page's position in its chain
 
-    def priority(self, page: int) -> int:
+    def stored(self, page: int, key: Hashable, chain_pos: int) -> None:
+        self._chain_pos[page] = chain_pos
+
+    def priority(self, page: int, hits: int) -> int:
         """-(next reuse, chain position) as one int: the min-heap's first is the furthest reuse, then the deepest.
 
         A page becomes cached only as the request ``now`` releases it, and it holds that request's block at its
         chain position: the future's row for ``now`` knows it."""
-        pos = self.pool.chain_pos[page]
+        pos = self._chain_pos[page]
         return -(self.future.next_use[self.now][pos] * self.future.positions + pos)

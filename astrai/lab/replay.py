@@ -86,9 +86,9 @@ class Replay:
         eviction: str | PolicyFactory = policy
         if policy == Belady.name:
 
-            def eviction(pool: PagePool) -> Belady:
+            def eviction(n_pages: int) -> Belady:
                 nonlocal belady
-                belady = Belady(pool, self.future)
+                belady = Belady(n_pages, self.future)
                 return belady
 
         pages = (sum(self.full) if capacity is None else capacity) + self.headroom

@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol, cast
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
@@ -38,7 +38,7 @@ from astrai.observation import TierPageEvicted, TierPageLoaded, TierPageWritten
 from astrai.tier.store import TierStore
 
 if TYPE_CHECKING:
-    from astrai.page_pool import Emit, PageKey, PagePool
+    from astrai.page_pool import Emit, PageKey
 
 log = logging.getLogger("astrai")
 
@@ -90,8 +90,9 @@ class SecondTier:
     """The second tier over one ``TierStore``; see the module docstring.
 
     Invariant (``check_invariants``): every slot is free (in ``free``, no key) or held (indexed, in the policy),
-    never both, and ``free + held == slots``. The policy reads ``n_pages``, ``key`` and ``hits`` of its owner as it
-    reads a pool's, so any policy of ``astrai.eviction`` can order the slots.
+    never both, and ``free + held == slots``. The policy hears the events a pool sends its own (a slot is a page to
+    it: ``missed`` before a write takes a slot, ``stored`` and ``cached`` once written, ``hit`` and ``cached`` again
+    when a load or a write touches it), so any policy of ``astrai.eviction`` can order the slots.
     """
 
     def __init__(
@@ -113,7 +114,7 @@ class SecondTier:
         self.hits = [0] * store.slots  # loads served since written (an LFU policy's order)
         self.index: dict[PageKey, int] = {}
         self.free: list[int] = list(range(store.slots))  # a heap
-        self.policy = make_policy(eviction, cast("PagePool", self))  # the slots held, in eviction order
+        self.policy = make_policy(eviction, store.slots)  # the slots held, in eviction order
         self.counters = TierCounters()
         self.enabled = True
         self.error: str | None = None
@@ -148,12 +149,12 @@ class SecondTier:
             assert key is not None, "a slot found by a lookup is held"
             staged.append(Staged(slot, key, buffer, time.perf_counter() - started))
         for slot in reversed(slots):
-            self.policy.revived(slot)
+            self.policy.hit(slot)
             self.hits[slot] += 1
             if self.write_policy == "on_evict":
                 self._forget(slot)
             else:
-                self.policy.cached(slot)
+                self.policy.cached(slot, self.hits[slot])
         return staged
 
     def install(self, page: int, staged: Staged, request: int | None) -> None:
@@ -178,18 +179,19 @@ class SecondTier:
             )
 
     # ----- writes -----------------------------------------------------------------------------------
-    def write(self, page: int, key: PageKey, tokens: Sequence[int], parent: PageKey | None) -> None:
-        """Copy pool page ``page`` (full, indexed under ``key``) into the tier: a free slot, else the policy's victim.
-        A key already held is touched instead; nothing happens once the tier is off."""
+    def write(self, page: int, key: PageKey, tokens: Sequence[int], parent: PageKey | None, chain_pos: int) -> None:
+        """Copy pool page ``page`` (full, indexed under ``key`` at ``chain_pos``) into the tier: a free slot, else the
+        policy's victim. A key already held is touched instead; nothing happens once the tier is off."""
         if not self.enabled:
             return
         held = self.index.get(key)
         if held is not None:
-            self.policy.revived(held)
-            self.policy.cached(held)
+            self.policy.hit(held)
+            self.policy.cached(held, self.hits[held])
             return
         started = time.perf_counter()
-        slot = heapq.heappop(self.free) if self.free else self._evict()
+        self.policy.missed(key)
+        slot = heapq.heappop(self.free) if self.free else self._evict(key)
         try:
             self._kv.copy_page_out(page, self._write_buffer)
             self.store.write(slot, self._write_buffer)
@@ -201,8 +203,8 @@ class SecondTier:
         self.index[key] = slot
         self.key[slot], self.tokens[slot], self.parent_key[slot] = key, token_ids, parent
         self.hits[slot] = 0
-        self.policy.stored(slot)
-        self.policy.cached(slot)
+        self.policy.stored(slot, key, chain_pos)
+        self.policy.cached(slot, 0)
         counters = self.counters
         counters.written_pages += 1
         counters.bytes_written += self.store.page_bytes
@@ -218,8 +220,8 @@ class SecondTier:
                 nbytes=self.store.page_bytes,
             )
 
-    def _evict(self) -> int:
-        slot = self.policy.victim()
+    def _evict(self, incoming: PageKey) -> int:
+        slot = self.policy.victim(incoming)
         key, parent, tokens = self.key[slot], self.parent_key[slot], self.tokens[slot]
         assert key is not None and tokens is not None, "a slot the policy holds is indexed"
         del self.index[key]

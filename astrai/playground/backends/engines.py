@@ -23,6 +23,7 @@ Invariants (all under ``_lock``, which is held only to read or change the table,
   ``OWN_POOL_RECLAIM_S`` is taken back when the reserve is full and another visitor needs one (a visitor whose page
   closed without Gradio's unload reaching us). Each step on one's own pool starts empty, so neither loses anything
   a visitor could see.
+- When the last run of any engine ends, the C heap's free memory goes back to the system (``heap.IdleTrim``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from astrai import SUPPORTED_DTYPES, InferenceEngine, TenantReserveFull, precomp
 from astrai.checkpoints import load_checkpoint
 from astrai.model_runner import kv_bytes_per_token
 from astrai.playground import knobs
+from astrai.playground.backends.heap import IdleTrim
 from astrai.playground.backends.local import LocalBackend
 from astrai.playground.backends.profiles import DEFAULT_PROFILE, Profile, model_choices, owner_of, without_caching
 from astrai.playground.backends.protocol import BackendError, EngineLimitReached, EngineView, Progress
@@ -111,6 +113,7 @@ class LocalEngines:
         self._models: dict[tuple[str, str], _Model] = {}
         self._configs: dict[str, PretrainedConfig] = {}  # model label -> its config, read once
         self._closed = False
+        self.heap_trim = IdleTrim()  # the C heap's free memory given back when the last run of any engine ends
         self.ensure(default)  # the default engine is built before the app serves
         if preload:  # cheap on the embedded model: the lesson then switches instantly
             threading.Thread(target=self._preload, args=(preload,), daemon=True, name="astrai-preload").start()
@@ -160,8 +163,11 @@ class LocalEngines:
                 done = slot.released and slot.runs == 0 and self._slots.get(profile) is slot
                 if done:
                     del self._slots[profile]
+                quiet = not any(other.runs for other in self._slots.values())
             if done:
                 self._close(slot, "given back by its visitor, after its last run")
+            if quiet:
+                self.heap_trim.idle()
 
     def view(self, profile: Profile, visitors: int) -> EngineView:
         if profile.owner is None:
