@@ -578,14 +578,15 @@ class InferenceEngine(Tenant):
     the default, "fifo", "lfu" or "arc"); another raises ``ValueError``.
 
     **A second KV tier** (``offload_pages`` > 0; ``astrai.tier``): full pages live on in ``offload_pages`` slots of a
-    larger, slower store, ``offload_to``: ``"memory"`` (host memory; pinned on CUDA) or a folder on local disk (one
-    preallocated file, read and written per page: a load is real I/O). ``offload_policy``: ``"through"`` writes
-    every page the pool stores, ``"on_evict"`` writes a page as the pool evicts it and drops it once loaded back;
-    the tier evicts its own pages least recently used first. A lookup continues its chain into the tier where the
-    pool's hits end; those pages are loaded into pool pages before the forward that reads them, and count as hits
-    (``CacheStats.second_tier``). The engine's own pool only (not ``add_tenant``'s), and only with prefix caching.
-    A store that cannot be made (a folder that is not one, or cannot be written, a disk too small for it) raises
-    ``ValueError`` here; a store that fails later switches the tier off with a warning, and no request fails.
+    larger, slower store, ``offload_to``: ``"memory"`` (host memory; pinned on CUDA) or, with the KV on the CPU, a
+    folder on local disk (one preallocated file, read and written in runs of pages straight to and from the pool's
+    KV: a load is real I/O). ``offload_policy``: ``"through"`` writes every page the pool stores, ``"on_evict"``
+    writes a page as the pool evicts it and drops it once loaded back; the tier evicts its own pages least recently
+    used first. A lookup continues its chain into the tier where the pool's hits end; those pages are loaded into
+    pool pages before the forward that reads them, and count as hits (``CacheStats.second_tier``). The engine's own
+    pool only (not ``add_tenant``'s), and only with prefix caching. A store that cannot be made (a folder that is not
+    one, or cannot be written, a disk too small for it; a folder for a GPU's KV) raises ``ValueError`` here; a store
+    that fails later switches the tier off with a warning, and no request fails.
 
     ``compile`` (the default on the CPU) serves the model compiled by ``torch.compile``, loaded from the on-disk
     cache when this machine compiled that model before (seconds), else compiled now (a minute or so on 2 cores) and
@@ -692,6 +693,8 @@ class InferenceEngine(Tenant):
             raise ValueError(f"offload_policy must be one of {list(WRITE_POLICIES)}, got {offload_policy!r}")
         if offload_pages and not prefix_caching:
             raise ValueError("a second tier (offload_pages) needs prefix_caching: with it off nothing is looked up")
+        if offload_pages and offload_to != "memory" and self.device.type != "cpu":
+            raise ValueError('a file tier reads into host memory: with the KV on a GPU, use offload_to="memory"')
         model_limit = getattr(model.config, "max_position_embeddings", None) or n_pages * page_size
         self.max_seq_len = min(max_seq_len or model_limit, model_limit)
         self.tokenizer: PreTrainedTokenizerBase = tokenizer
@@ -733,7 +736,7 @@ class InferenceEngine(Tenant):
                 store.close()
             raise
         if store is not None:
-            self.cache.attach_tier(SecondTier(store, self.runner, offload_policy, emit=self._emit))
+            self.cache.attach_tier(SecondTier(store, self.runner.kv_planes(), offload_policy, emit=self._emit))
         self._release_pool()  # this thread prepared the model; its idle OpenMP workers would slow the loop's
         self._thread = threading.Thread(target=self._loop, name="astrai-engine", daemon=True)
         self._thread.start()

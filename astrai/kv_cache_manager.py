@@ -11,7 +11,7 @@ prefix caching off nothing is looked up, and nothing is counted: the counters st
 
 A second tier (``attach_tier``, ``astrai.tier``) continues the lookup: each page of the chain is looked up in the
 pool, then among this step's pending pages, then in the tier, and the hit is the longest leading run found in any
-of them, under the same cap. A tier's pages are copied into fresh pool pages and registered there during the
+of them, under the same cap. A tier's pages are read into fresh pool pages and registered there during the
 admission, before the forward that reads them; they count as hits (and apart, in ``tier_hit_tokens``).
 """
 
@@ -21,7 +21,7 @@ from collections import deque
 
 from astrai.page_pool import PageKey, PagePool, namespace_id, page_key
 from astrai.request import Request
-from astrai.tier import SecondTier, Staged
+from astrai.tier import SecondTier, TierWrite, by_rank
 
 HIT_WINDOW = 32  # lookups in the "recent" hit rate
 
@@ -47,7 +47,7 @@ class KVCacheManager:
             raise ValueError("a second tier needs prefix caching: with it off nothing is looked up")
         self.tier = tier
         if tier.write_policy == "on_evict":
-            self.pool.on_evict = tier.write
+            self.pool.on_evict = tier.evicted
 
     # ----- keys -----------------------------------------------------------------------------------------
     def _keys(self, req: Request, n_pages: int) -> list[PageKey]:
@@ -70,8 +70,8 @@ class KVCacheManager:
         from the second tier and no query counted (as in vLLM). A request waiting under pressure is looked up at
         every step, but only the admission that succeeds counts. The hit is capped at ``len(tokens) - 1``: the last
         token is always recomputed for its logits. Pages found in the second tier take fresh pool pages (counted in
-        the fit) and are loaded into them here; if its store fails, the tier switches itself off and the lookup is
-        made again without it.
+        the fit) and are loaded into them here; if its store fails, the tier switches itself off, the pages this
+        admission took are given back, and the lookup is made again without it.
         """
         hits, slots = self._match_prefix(req)
         hit = len(hits) * self.page_size
@@ -81,13 +81,13 @@ class KVCacheManager:
         revived = sum(self.pool.ref_count[page] == 0 for page in shared)  # cached hits leave the LRU: not evictable
         if need + revived > self.pool.available:
             return 0
-        staged = self.tier.take(slots) if slots and self.tier is not None else []
-        if staged is None:  # its store failed: the tier is off now, so nothing is loaded
-            return self.admit(req, token_budget)
         for page in shared:  # before any allocation: a shared cached page must not be evicted for a load
             self.pool.acquire(page)
-        loads = iter(staged)
-        req.pages = [page if page is not None else self._load(req, i, next(loads)) for i, page in enumerate(hits)]
+        pages = self._load(req, hits, slots) if slots else shared
+        if pages is None:  # its store failed: the tier is off now, so nothing is loaded
+            self.pool.release(shared)
+            return self.admit(req, token_budget)
+        req.pages = pages
         self._allocate(req, need - len(slots))
         req.indexed_pages = len(hits)
         req.num_computed = hit
@@ -126,16 +126,28 @@ class KVCacheManager:
             hits.append(page)
         return hits, slots
 
-    def _load(self, req: Request, i: int, staged: Staged) -> int:
-        """A fresh pool page for the request's ``i``-th page, holding the KV staged from the second tier, indexed."""
-        assert self.tier is not None, "only a tier stages pages"
-        keys = self._keys(req, i + 1)
-        page = self.pool.allocate(req.id, keys[i])  # named: the policy hears of the miss before it evicts
-        parent = keys[i - 1] if i else None
-        tokens = self._page_tokens(req, i)
-        self.pool.register(page, keys[i], tokens, i, parent, request=req.id, namespace=namespace_id(req.cache_salt))
-        self.tier.install(page, staged, req.id)
-        return page
+    def _load(self, req: Request, hits: list[int | None], slots: list[int]) -> list[int] | None:
+        """``hits`` with a fresh pool page in place of each page the second tier holds (``slots``, in order), read
+        from it and registered: the request's leading pages. None if the store failed (the fresh pages are freed)."""
+        tier = self.tier
+        assert tier is not None, "only a tier holds slots"
+        keys = self._keys(req, len(hits))
+        positions = [i for i, page in enumerate(hits) if page is None]
+        tier.reserve(slots)  # before the allocations: their evictions may write to the tier, never over these
+        fresh = [self.pool.allocate(req.id, keys[i]) for i in positions]  # named: the policy hears each miss first
+        pages = by_rank(slots, fresh)  # the k-th lowest slot into the k-th lowest page: a run of slots stays one
+        seconds = tier.load(slots, pages)
+        if seconds is None:
+            self.pool.release(fresh)
+            return None
+        namespace = namespace_id(req.cache_salt)
+        for i, page in zip(positions, pages, strict=True):
+            parent = keys[i - 1] if i else None
+            stored = self.pool.register(page, keys[i], self._page_tokens(req, i), i, parent, req.id, namespace)
+            assert stored, "a key the tier served is in no pool page"
+        tier.loaded(slots, pages, req.id, seconds)
+        loaded = iter(pages)
+        return [page if page is not None else next(loaded) for page in hits]
 
     def _pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -173,14 +185,18 @@ class KVCacheManager:
         full = req.num_computed // self.page_size
         if self.prefix_caching and full > req.indexed_pages:  # most decode steps fill no page: no keys to build
             keys, namespace = self._keys(req, full), namespace_id(req.cache_salt)
+            through = self.tier is not None and self.tier.write_policy == "through"
+            written: list[TierWrite] = []
             for i in range(req.indexed_pages, full):
                 parent = keys[i - 1] if i else None
-                tokens = self._page_tokens(req, i)
+                tokens = tuple(self._page_tokens(req, i))
                 stored = self.pool.register(
                     req.pages[i], keys[i], tokens, i, parent, request=req.id, namespace=namespace
                 )
-                if stored and self.tier is not None and self.tier.write_policy == "through":
-                    self.tier.write(req.pages[i], keys[i], tokens, parent, i)
+                if stored and through:
+                    written.append(TierWrite(req.pages[i], keys[i], tokens, parent, i))
+            if written and self.tier is not None:
+                self.tier.write(written)  # together: the pages of one commit go out in runs
         req.indexed_pages = max(req.indexed_pages, full)
 
     def end_step(self) -> None:

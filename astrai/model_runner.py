@@ -395,28 +395,13 @@ class ModelRunner:
         self.prepared.forwards.forget(self)
         self.prepared.release()
 
-    def page_buffer(self, count: int) -> torch.Tensor:
-        """``count`` host buffers of one KV page each, ``[count, layers, 2 (K, V), kv_heads, page_size, head_dim]`` in
-        the KV dtype: what the second tier (``astrai.tier``) stores a page as. Pinned where the KV is on CUDA."""
-        k = self.kv_cache[0][0]
-        shape = (count, len(self.kv_cache), 2, k.shape[0], self.page_size, k.shape[2])
-        return torch.empty(shape, dtype=k.dtype, pin_memory=k.device.type == "cuda")
-
-    @torch.inference_mode()
-    def copy_page_out(self, page: int, out: torch.Tensor) -> None:
-        """Copy KV page ``page`` (every layer's K and V) into ``out``, one of ``page_buffer``'s pages."""
-        lo = page * self.page_size
-        for layer, (k, v) in enumerate(self.kv_cache):
-            out[layer, 0].copy_(k[:, lo : lo + self.page_size])
-            out[layer, 1].copy_(v[:, lo : lo + self.page_size])
-
-    @torch.inference_mode()
-    def copy_page_in(self, page: int, src: torch.Tensor) -> None:
-        """Write ``src``, one of ``page_buffer``'s pages, into KV page ``page`` (every layer's K and V)."""
-        lo = page * self.page_size
-        for layer, (k, v) in enumerate(self.kv_cache):
-            k[:, lo : lo + self.page_size].copy_(src[layer, 0])
-            v[:, lo : lo + self.page_size].copy_(src[layer, 1])
+    def kv_planes(self) -> list[torch.Tensor]:
+        """The KV pages' bytes as planes, for the second tier (``astrai.tier.store``): one per (layer, K or V, KV
+        head), each a ``uint8`` view ``[n_pages, page_size * head_dim * itemsize]`` of the KV tensors (no copy), in
+        which page ``p`` is row ``p``; a page is its row in every plane. Views of the live KV: a copy into them is a
+        copy into the pool."""
+        n_pages = self.kv_cache[0][0].shape[1] // self.page_size
+        return [head.view(torch.uint8).view(n_pages, -1) for pair in self.kv_cache for kv in pair for head in kv]
 
     @torch.inference_mode()
     def step(self, work: list[tuple[Request, int]]) -> torch.Tensor:

@@ -1,26 +1,29 @@
 """The second tier against recomputing: ``python -m benchmarks.tier [--model embedded|smollm]
-[--dtypes float32,bfloat16] [--lengths 64,256,1024] [--rounds 3] [--folder DIR]``.
+[--dtypes float32,bfloat16] [--lengths 16,64,256,1024,2048] [--rounds 3] [--folder DIR]``.
 
 For each dtype and shared-prefix length L (tokens, whole pages of 16), in each round, on one engine with a file tier
 (``offload_to=DIR``, "on_evict") and a pool that holds one request:
 
-* recomputed: ``clear()`` (both tiers), then prompt A (L + 1 random tokens, one output token): its TTFT computes
-  the whole prefix;
+* recomputed: ``clear()`` (both tiers), then prompt A (L + 1 random tokens, one output token; at the model's
+  context limit, as many as fit with the output token, of which the lookup serves the full pages before the last
+  token): its TTFT computes the whole prompt;
 * loaded: prompt B (the longest length, other tokens) evicts A's pages from the pool into the tier, then A again:
   its TTFT loads the prefix from the tier (``CacheStats.second_tier``: pages loaded, seconds loading) and computes
-  one token.
+  the rest; and A once more, for reference: its TTFT with the same prefix a hit in the pool.
 
 It prints, per dtype and length, min / median / max over the rounds of: load time per page (the tier's own
-``load_seconds`` over its pages: reading the file and copying into the pool's pages), recompute time per page (the
-recomputed TTFT over the prefix's pages), and both TTFTs; loading wins from the shortest length whose loaded TTFT
-is below the recomputed one (the break-even, in tokens of shared prefix). Then the tier's load bandwidth against
-this machine's own bound in the same run: a sequential read of the same file (``readinto`` of it whole, after the
-loads, so both read what the OS page cache holds). Engines run eager (``compile=False``): no compile on 2 cores.
+``load_seconds`` over its pages: reading the file into the pool's pages), recompute time per page (the recomputed
+TTFT over the pages loaded), and the three TTFTs; loading wins from the shortest length whose loaded TTFT is below the
+recomputed one (the break-even, in tokens of shared prefix). Then the tier's load bandwidth per length against this
+machine's own bound in the same run: a sequential read of the same file (one ``os.preadv`` of it whole into a
+buffer, after the loads, so both read what the OS page cache holds, into memory touched before). Engines run eager
+(``compile=False``): no compile on 2 cores; a warm-up prompt before the rounds is not counted.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import tempfile
@@ -54,7 +57,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=["embedded", "smollm"], default="embedded")
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--lengths", default="64,256,1024")
+    parser.add_argument("--lengths", default="16,64,256,1024,2048")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--folder", default=None, help="where the tier's file goes (default: a temporary folder)")
     args = parser.parse_args()
@@ -66,7 +69,9 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         model, tokenizer = embedded() if args.model == "embedded" else smollm_shaped()
         vocab = len(tokenizer)
-        pages = max(lengths) // PAGE + 1  # the longest prompt and its output token: B takes the whole pool
+        limit = model.config.max_position_embeddings - 1  # the longest prompt: its output token takes the last place
+        longest = min(max(lengths) + 1, limit)
+        pages = -(-(longest + 1) // PAGE)  # the longest prompt and its output token: B takes the whole pool
         with tempfile.TemporaryDirectory(dir=args.folder) as folder:
             engine = InferenceEngine(
                 model, tokenizer, page_size=PAGE, n_pages=pages, max_batch_size=1, max_batched_tokens=4096,
@@ -77,10 +82,11 @@ def main() -> None:
                 assert tier is not None
                 file = Path(getattr(tier.store, "path"))  # noqa: B009 - a FileStore's
                 figures: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+                ttft(engine, [rng.randrange(1, vocab) for _ in range(longest)])  # a warm-up: not counted
                 for _ in range(args.rounds):
                     for length in lengths:
-                        a = [rng.randrange(1, vocab) for _ in range(length + 1)]
-                        b = [rng.randrange(1, vocab) for _ in range(max(lengths) + 1)]
+                        a = [rng.randrange(1, vocab) for _ in range(min(length + 1, limit))]
+                        b = [rng.randrange(1, vocab) for _ in range(longest)]
                         engine.clear()
                         recomputed = ttft(engine, a)
                         ttft(engine, b)
@@ -89,40 +95,49 @@ def main() -> None:
                         after = engine.cache_stats().second_tier
                         assert before is not None and after is not None and after.enabled
                         moved = after.loaded_pages - before.loaded_pages
-                        assert moved == length // PAGE, f"{moved} pages loaded of {length // PAGE}"
+                        expected = (len(a) - 1) // PAGE  # every full page but a last one that ends the prompt
+                        assert moved == expected, f"{moved} pages loaded of {expected}"
+                        cached = ttft(engine, a)  # A's pages are in the pool now: a plain hit, for reference
                         row = figures[length]
                         row["load"].append((after.load_seconds - before.load_seconds) / moved)
                         row["recompute"].append(recomputed / moved)
                         row["ttft_recomputed"].append(recomputed)
                         row["ttft_loaded"].append(loaded)
+                        row["ttft_cached"].append(cached)
                         row["bandwidth"].append(
                             (after.bytes_loaded - before.bytes_loaded) / (after.load_seconds - before.load_seconds)
                         )
                 size = file.stat().st_size
-                buffer = bytearray(size)
+                buffer = bytearray(size)  # touched now: the pool's pages a load reads into were touched before too
                 reads = []
-                for _ in range(args.rounds):
-                    started = time.perf_counter()
-                    with file.open("rb", buffering=0) as f:
-                        f.readinto(buffer)
-                    reads.append(size / (time.perf_counter() - started))
+                fd = os.open(file, os.O_RDONLY)
+                try:
+                    for _ in range(args.rounds):
+                        started = time.perf_counter()
+                        done = os.preadv(fd, [buffer], 0)
+                        reads.append(size / (time.perf_counter() - started))
+                        assert done == size
+                finally:
+                    os.close(fd)
         page_kib = tier.store.page_bytes / 1024
         print(f"\n{args.model} model, {dtype}, pages of {PAGE} tokens ({page_kib:.0f} KiB of KV), ", end="")
         print(f"{args.rounds} rounds, min / median / max")
         print(f"{'prefix':>7} | {'load ms/page':>28} | {'recompute ms/page':>28} | {'TTFT loaded ms':>28} | "
-              f"{'TTFT recomputed ms':>28}")  # fmt: skip
+              f"{'TTFT recomputed ms':>28} | {'TTFT pool hit ms':>28}")  # fmt: skip
         wins = None
         for length in lengths:
             row = figures[length]
             print(f"{length:7d} | {spread(row['load'])} | {spread(row['recompute'])} | {spread(row['ttft_loaded'])} | "
-                  f"{spread(row['ttft_recomputed'])}")  # fmt: skip
+                  f"{spread(row['ttft_recomputed'])} | {spread(row['ttft_cached'])}")  # fmt: skip
             if wins is None and statistics.median(row["ttft_loaded"]) < statistics.median(row["ttft_recomputed"]):
                 wins = length
         print("loading wins (median TTFT) from", f"{wins} tokens of shared prefix" if wins else "none of these lengths")
-        bandwidth = [b for length in lengths for b in figures[length]["bandwidth"]]
-        ratio = statistics.median(bandwidth) / statistics.median(reads)
-        print(f"tier load bandwidth MB/s: {spread(bandwidth, 1e-6)}; a sequential read of its {size / 2**20:.1f} MiB")
-        print(f"file, MB/s: {spread(reads, 1e-6)} (the tier's median is {ratio:.0%} of the read's)")
+        print(f"a sequential read of the tier's {size / 2**20:.1f} MiB file, MB/s: {spread(reads, 1e-6)}")
+        print(f"{'prefix':>7} | {'tier load MB/s':>28} | of the read's median")
+        for length in lengths:
+            bandwidth = figures[length]["bandwidth"]
+            ratio = statistics.median(bandwidth) / statistics.median(reads)
+            print(f"{length:7d} | {spread(bandwidth, 1e-6)} | {ratio:.0%}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ and the engine reports it: events, ``CacheStats.second_tier`` and the explainer'
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -14,7 +15,8 @@ from astrai import InferenceEngine
 from astrai.explain import Cause
 from astrai.observation import TierPageEvicted, TierPageLoaded, TierPageWritten
 from astrai.page_pool import page_key
-from astrai.tier import FileStore, MemoryStore, SecondTier, TierStore, open_store
+from astrai.tier import FileStore, MemoryStore, SecondTier, TierStore, TierWrite, by_rank, open_store
+from astrai.tier.tier import runs
 from tests.support.tiny_models import reference_generate
 
 PAGE = 4
@@ -32,33 +34,68 @@ def make_store(request, tmp_path):
     return make
 
 
+def planes_of(pool: torch.Tensor) -> list[torch.Tensor]:
+    """A fake pool's KV ``[planes, n_pages, elements]`` as the planes a store binds to (``ModelRunner.kv_planes``)."""
+    return [plane.view(torch.uint8) for plane in pool]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_round_trip_through_a_store_is_an_exact_copy(make_store, dtype):
-    pages = torch.randn(3, 2, 5, 7).to(dtype)
-    page_bytes = pages[0].numel() * pages.element_size()
-    store = make_store(4, page_bytes)
+    pool = torch.randn(3, 8, 10).to(dtype)  # 3 planes, 8 pages, 10 elements of each page per plane
+    page_bytes = 3 * 10 * pool.element_size()
+    original = pool.clone()
+    store = make_store(6, page_bytes)
     try:
-        for slot, page in zip((3, 0, 2), pages, strict=True):
-            store.write(slot, page)
-        out = torch.empty_like(pages)
-        for slot, buffer in zip((3, 0, 2), out, strict=True):
-            store.read(slot, buffer)
-        assert torch.equal(out.view(torch.uint8), pages.view(torch.uint8))
-        with pytest.raises(IndexError):
-            store.write(4, pages[0])
+        store.bind(planes_of(pool))
+        store.write(1, 0, 3)  # pages 0-2 into slots 1-3, one run
+        store.write(5, 6, 1)
+        pool.zero_()
+        store.read(1, 4, 3)  # back into pages 4-6
+        store.read(5, 0, 1)
+        assert torch.equal(pool[:, 4:7].view(torch.uint8), original[:, 0:3].view(torch.uint8))
+        assert torch.equal(pool[:, 0].view(torch.uint8), original[:, 6].view(torch.uint8))
+        with pytest.raises(IndexError, match="slots"):
+            store.write(4, 0, 3)
+        with pytest.raises(IndexError, match="pages"):
+            store.read(0, 7, 2)
         with pytest.raises(ValueError, match="bytes"):
-            store.write(0, pages[0, 0])
+            store.bind(planes_of(pool[:2]))
     finally:
         store.close()
+
+
+def test_a_file_store_reads_and_writes_a_run_in_one_call_per_plane(tmp_path, monkeypatch):
+    """The load bandwidth's reason: however long a run, a file store makes one system call per KV plane."""
+    pool = torch.randn(4, 16, 8)
+    store = FileStore(tmp_path, 16, 4 * 8 * 4)
+    store.bind(planes_of(pool))
+    calls: list[str] = []
+    for name in ("preadv", "pwritev"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda *args, _real=real, _name=name: calls.append(_name) or _real(*args))
+    store.write(0, 3, 12)
+    store.read(0, 0, 12)
+    store.close()
+    assert calls == ["pwritev"] * 4 + ["preadv"] * 4
+
+
+def test_pages_pair_by_rank_and_move_in_runs():
+    assert by_rank([7, 3, 5], [10, 2, 4]) == [10, 2, 4]  # the lowest slot, 3, gets the lowest page, 2
+    assert by_rank([9, 8, 7], [4, 5, 6]) == [6, 5, 4]  # a chain evicted tail first loads back as one run
+    assert list(runs([9, 8, 7], [6, 5, 4])) == [(7, 4, 3)]
+    assert list(runs([1, 2, 4, 5], [0, 1, 2, 3])) == [(1, 0, 2), (4, 2, 2)]
 
 
 def test_a_file_store_is_one_preallocated_file_deleted_on_close(tmp_path):
     store = FileStore(tmp_path, 5, 64)
     assert store.path.parent == tmp_path and store.path.stat().st_size == 5 * 64
+    with pytest.raises(RuntimeError, match="not bound"):
+        store.read(0, 0, 1)
+    store.bind(planes_of(torch.zeros(1, 2, 16)))
     store.close()
     assert not store.path.exists()
     with pytest.raises(RuntimeError, match="closed"):
-        store.read(0, torch.empty(16))
+        store.read(0, 0, 1)
 
 
 def test_a_file_store_that_cannot_be_made_says_why(tmp_path):
@@ -74,52 +111,52 @@ def test_a_file_store_that_cannot_be_made_says_why(tmp_path):
 
 
 # ----- the tier's slots -----------------------------------------------------------------------------------
-class FakeKv:
-    """KV pages of two floats each, so a page's content names it."""
-
-    def __init__(self, n_pages: int) -> None:
-        self.pages = torch.arange(2 * n_pages, dtype=torch.float32).view(n_pages, 2)
-
-    def page_buffer(self, count: int) -> torch.Tensor:
-        return torch.empty(count, 2)
-
-    def copy_page_out(self, page: int, out: torch.Tensor) -> None:
-        out.copy_(self.pages[page])
-
-    def copy_page_in(self, page: int, src: torch.Tensor) -> None:
-        self.pages[page].copy_(src)
-
-
 class FlakyStore(MemoryStore):
     """A memory store whose reads or writes raise once told to: a disk that failed."""
 
     fail_reads = False
     fail_writes = False
 
-    def read(self, slot: int, out: torch.Tensor) -> None:
+    def read(self, first_slot: int, first_page: int, count: int) -> None:
         if self.fail_reads:
             raise OSError(5, "Input/output error")
-        super().read(slot, out)
+        super().read(first_slot, first_page, count)
 
-    def write(self, slot: int, page: torch.Tensor) -> None:
+    def write(self, first_slot: int, first_page: int, count: int) -> None:
         if self.fail_writes:
             raise OSError(28, "No space left on device")
-        super().write(slot, page)
+        super().write(first_slot, first_page, count)
 
 
-def keyed(i: int) -> tuple[bytes, list[int]]:
-    tokens = [i] * PAGE
+def keyed(i: int) -> tuple[bytes, tuple[int, ...]]:
+    tokens = (i,) * PAGE
     return page_key(None, tokens), tokens
 
 
-def tier_of(slots: int, policy: str, events: list | None = None) -> tuple[SecondTier, FakeKv]:
-    kv = FakeKv(8)
+def put(tier: SecondTier, page: int) -> None:
+    """Write pool page ``page`` into the tier as the first page of a chain whose tokens are all ``page``."""
+    tier.write([TierWrite(page, *keyed(page), None, 0)])
+
+
+def load(tier: SecondTier, slots: list[int], pages: list[int], request: int | None = None) -> bool:
+    """What an admission does: reserve the slots, read them into these pool pages, count the load."""
+    tier.reserve(slots)
+    seconds = tier.load(slots, pages)
+    if seconds is None:
+        return False
+    tier.loaded(slots, pages, request, seconds)
+    return True
+
+
+def tier_of(slots: int, policy: str, events: list | None = None) -> tuple[SecondTier, torch.Tensor]:
+    """A tier over a fake pool of 8 pages of two floats each, so a page's content names it."""
+    kv = torch.arange(16, dtype=torch.float32).view(8, 2)
 
     def emit(event: type, **fields: object) -> None:
         if events is not None:
             events.append((event, fields))
 
-    return SecondTier(FlakyStore(slots, 8), kv, policy, emit=emit), kv
+    return SecondTier(FlakyStore(slots, 8), [kv.view(torch.uint8)], policy, emit=emit), kv
 
 
 @pytest.mark.parametrize("policy", ["through", "on_evict"])
@@ -127,25 +164,24 @@ def test_the_tier_evicts_least_recently_used_first_and_loads_exact_copies(policy
     events: list = []
     tier, kv = tier_of(2, policy, events)
     for page in (0, 1, 2):  # a third page into two slots: the first written goes
-        tier.write(page, *keyed(page), None, 0)
+        put(tier, page)
     assert tier.find(*keyed(0)) is None and tier.counters.evictions == 1
     assert [e for e, _ in events] == [TierPageWritten, TierPageWritten, TierPageEvicted, TierPageWritten]
     slot = tier.find(*keyed(1))
     assert slot is not None
-    (staged,) = tier.take([slot])
-    tier.install(5, staged, request=7)
-    assert torch.equal(kv.pages[5], kv.pages[1])  # pool page 5 now holds page 1's KV
+    assert load(tier, [slot], [5], request=7)
+    assert torch.equal(kv[5], kv[1])  # pool page 5 now holds page 1's KV
     assert tier.counters.loaded_pages == 1 and tier.counters.bytes_loaded == 8
     loaded = events[-1]
     assert loaded[0] is TierPageLoaded and loaded[1]["request"] == 7 and loaded[1]["kept"] == (policy == "through")
     if policy == "on_evict":  # a page loaded back leaves the tier: its slot is free for the next
         assert tier.find(*keyed(1)) is None and tier.held_pages == 1
     else:  # it stays, touched as the most recent: page 2 goes first now
-        tier.write(3, *keyed(3), None, 0)
+        put(tier, 3)
         assert tier.find(*keyed(2)) is None and tier.find(*keyed(1)) is not None
-    tier.write(2, *keyed(2), None, 0)
+    put(tier, 2)
     written = tier.counters.written_pages
-    tier.write(2, *keyed(2), None, 0)  # a key held is touched, not written again
+    put(tier, 2)  # a key held is touched, not written again
     assert tier.counters.written_pages == written
     tier.check_invariants()
     held = tier.held_pages
@@ -155,22 +191,22 @@ def test_the_tier_evicts_least_recently_used_first_and_loads_exact_copies(policy
 
 def test_a_tier_whose_store_fails_switches_off_and_serves_nothing(caplog):
     tier, _ = tier_of(4, "through")
-    tier.write(0, *keyed(0), None, 0)
+    put(tier, 0)
     slot = tier.find(*keyed(0))
     assert slot is not None
     tier.store.fail_reads = True  # type: ignore[attr-defined]
     with caplog.at_level(logging.WARNING, logger="astrai"):
-        assert tier.take([slot]) is None
+        assert not load(tier, [slot], [3])
     assert not tier.enabled and "Input/output error" in (tier.error or "")
     assert "switched off" in caplog.text
     assert tier.find(*keyed(0)) is None and tier.held_pages == 0
-    tier.write(1, *keyed(1), None, 0)  # nothing is written once it is off
+    put(tier, 1)  # nothing is written once it is off
     assert tier.counters.written_pages == 1
     tier.check_invariants()
 
     tier, _ = tier_of(4, "on_evict")
     tier.store.fail_writes = True  # type: ignore[attr-defined]
-    tier.write(0, *keyed(0), None, 0)
+    put(tier, 0)
     assert not tier.enabled and "No space left" in (tier.error or "")
     tier.check_invariants()
 
@@ -204,6 +240,7 @@ def test_a_request_never_fails_because_of_the_tier(model, tokenizer, caplog):
         tier = engine.cache.tier
         assert tier is not None
         tier.store = flaky = FlakyStore(tier.n_pages, tier.store.page_bytes)
+        flaky.bind(engine.runner.kv_planes())
         engine.generate([PROMPT_A], max_tokens=2)
         engine.generate([PROMPT_B], max_tokens=2)
         assert tier.held_pages > 0
@@ -225,15 +262,12 @@ def test_a_bfloat16_page_loads_back_bit_for_bit(model, tokenizer):
         engine.generate([PROMPT_A, PROMPT_B], max_tokens=4)
         tier, pool, runner = engine.cache.tier, engine.pool, engine.runner
         assert tier is not None and tier.held_pages == pool.stats.stored > 0
-        kept, page, free = runner.page_buffer(3)
-        for key, slot in tier.index.items():
-            runner.copy_page_out(pool.index[key], page)
-            tier.store.read(slot, kept)
-            assert torch.equal(kept.view(torch.uint8), page.view(torch.uint8))
-            (staged,) = tier.take([slot])
-            tier.install(pool.free[0], staged, None)
-            runner.copy_page_out(pool.free[0], free)
-            assert torch.equal(free.view(torch.uint8), page.view(torch.uint8))
+        planes, free = runner.kv_planes(), pool.free[0]
+        for key, slot in list(tier.index.items()):
+            page = pool.index[key]
+            assert load(tier, [slot], [free])
+            assert all(torch.equal(plane[free], plane[page]) for plane in planes)
+            assert any(plane[page].any() for plane in planes)  # a page of KV, not zeros compared with zeros
         model.float()
 
 
@@ -284,3 +318,29 @@ def test_a_page_evicted_from_the_pool_and_the_tier_reads_evicted_from_both(model
         (why,) = engine.explain(stream.request_ids)
         assert engine.cache_stats().second_tier.evictions > 0
         assert why.counts[Cause.EVICTED_BOTH] > 0 and why.counts[Cause.LOADED] == 0
+
+
+def test_a_chain_loads_back_as_one_run_and_arc_hears_each_load_as_a_miss(model, tokenizer):
+    """A's pages enter the tier as B evicts them (tail first, into the lowest free slots); A asked again loads them
+    with one read of the store (one run: consecutive slots into consecutive pool pages, paired by rank), and the
+    pool's ARC hears each loaded page's key as a miss before the eviction that makes room for it."""
+    with engine_with_tier(model, tokenizer, eviction="arc", offload_policy="on_evict") as engine:
+        engine.generate([PROMPT_A], max_tokens=2)
+        engine.generate([PROMPT_B], max_tokens=2)
+        tier, policy = engine.cache.tier, engine.pool.policy
+        assert tier is not None
+        heard: list[tuple[str, object]] = []
+        missed, victim, read = policy.missed, policy.victim, tier.store.read
+        policy.missed = lambda key: heard.append(("missed", key)) or missed(key)  # type: ignore[method-assign]
+        policy.victim = lambda incoming=None: heard.append(("victim", incoming)) or victim(incoming)  # type: ignore[method-assign]
+        reads: list[tuple[int, int, int]] = []
+        tier.store.read = lambda *run: reads.append(run) or read(*run)  # type: ignore[method-assign]
+        stream = engine.generate([PROMPT_A], max_tokens=2, stream=True)
+        list(stream)
+        loaded = [e for e in engine.events() if isinstance(e, TierPageLoaded) and e.request in stream.request_ids]
+        assert len(loaded) > 1 and len(reads) == 1 and reads[0][2] == len(loaded)
+        assert any(("victim", event.key) in heard for event in loaded)  # the pool was full: loads evicted
+        for event in loaded:  # each load's allocation named its key first; the eviction it made was for that key
+            assert ("missed", event.key) in heard
+            if ("victim", event.key) in heard:
+                assert heard.index(("missed", event.key)) < heard.index(("victim", event.key))

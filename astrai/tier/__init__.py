@@ -3,17 +3,17 @@
 ``tier.py``: ``SecondTier``, its index, eviction order, write policy, counters and events."""
 
 from astrai.tier.store import FileStore, MemoryStore, TierStore, open_store
-from astrai.tier.tier import WRITE_POLICIES, KvPages, SecondTier, Staged, TierCounters, WritePolicy
+from astrai.tier.tier import WRITE_POLICIES, SecondTier, TierCounters, TierWrite, WritePolicy, by_rank
 
 __all__ = [
     "WRITE_POLICIES",
     "FileStore",
-    "KvPages",
     "MemoryStore",
     "SecondTier",
-    "Staged",
     "TierCounters",
     "TierStore",
+    "TierWrite",
     "WritePolicy",
+    "by_rank",
     "open_store",
 ]
