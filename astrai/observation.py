@@ -42,7 +42,7 @@ class TierStats:
 
     ``hit_tokens`` is the part of ``CacheStats.hit_tokens`` the tier served (first admissions, counted as the pool's
     are), so the pool's own hits are ``CacheStats.hit_tokens - hit_tokens``. Bytes and seconds count every page
-    moved, re-admissions' loads included; ``load_seconds`` is reading the store and copying into the pool's pages.
+    moved, re-admissions' loads included; ``load_seconds`` is reading the store into the pool's pages.
     """
 
     medium: str  # where its pages live: "memory", "pinned host memory" or "file"
@@ -180,8 +180,9 @@ class TierPageWritten(EngineEvent):
 @dataclass(frozen=True, slots=True)
 class TierPageLoaded(EngineEvent):
     """A page's KV was loaded from the second tier's ``slot`` into pool page ``page`` for ``request``'s lookup (the
-    pool's ``PageStored`` for it comes just before), in ``seconds`` (reading the store and copying in). ``kept``:
-    the tier keeps its copy ("through"), or gave it up to the pool ("on_evict")."""
+    pool's ``PageStored`` for it comes before), in ``seconds``: its even share of the lookup's load, which reads all
+    its pages at once, in runs. ``kept``: the tier keeps its copy ("through"), or gave it up to the pool
+    ("on_evict")."""
 
     page: int
     key: bytes

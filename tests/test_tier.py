@@ -189,6 +189,25 @@ def test_the_tier_evicts_least_recently_used_first_and_loads_exact_copies(policy
     tier.check_invariants()
 
 
+def test_slots_being_loaded_are_never_taken_by_a_write():
+    """An admission reserves the slots it loads before it allocates their pool pages: the pool's evictions for
+    those pages may write into the tier, and must not land on them (here every slot is reserved: not kept)."""
+    tier, kv = tier_of(2, "on_evict")
+    put(tier, 0)
+    put(tier, 1)
+    slots = [slot for slot in (tier.find(*keyed(0)), tier.find(*keyed(1))) if slot is not None]
+    assert len(slots) == 2
+    tier.reserve(slots)
+    put(tier, 2)
+    assert tier.find(*keyed(2)) is None and tier.counters.written_pages == 2
+    tier.check_invariants()
+    seconds = tier.load(slots, [5, 6])
+    assert seconds is not None
+    tier.loaded(slots, [5, 6], None, seconds)
+    assert torch.equal(kv[5], kv[0]) and torch.equal(kv[6], kv[1]) and tier.held_pages == 0
+    tier.check_invariants()
+
+
 def test_a_tier_whose_store_fails_switches_off_and_serves_nothing(caplog):
     tier, _ = tier_of(4, "through")
     put(tier, 0)

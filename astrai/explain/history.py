@@ -267,7 +267,7 @@ class KeyHistory:
 
     def _tier(self, event: TierPageWritten | TierPageLoaded | TierPageEvicted, replica: int) -> None:
         """A key's stay in the second tier begins (written) or ends (evicted, or loaded and not kept); a load marks
-        the pool stay it began (its ``PageStored`` came just before)."""
+        the pool stay it began (its ``PageStored`` came before)."""
         record = self._records.get((replica, event.key))
         if record is None:
             return  # not in the kept history: its pool stays are unknown too
