@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import bisect
 import logging
+import os
 import queue
 import random
 import threading
@@ -32,6 +33,7 @@ from astrai.observation import (
     RequestFinished,
     RequestInfo,
     StepSample,
+    TierStats,
 )
 from astrai.openmp import release_pool
 from astrai.page_pool import PagePool
@@ -39,6 +41,7 @@ from astrai.request import Request, Status
 from astrai.sampling import MAX_SEED, SamplingParams, sample
 from astrai.scheduler import Scheduler
 from astrai.streams import GenerationStream
+from astrai.tier import WRITE_POLICIES, SecondTier, TierStore, open_store
 
 log = logging.getLogger("astrai")
 
@@ -294,7 +297,30 @@ class Tenant:
                 prefix_caching=cache.prefix_caching,
                 eviction=pool.policy.name,
                 forward=self._engine.runner.forward_kind,
+                second_tier=self._tier_stats(),
             )
+
+    def _tier_stats(self) -> TierStats | None:
+        tier = self.cache.tier
+        if tier is None:
+            return None
+        counters = tier.counters
+        return TierStats(
+            medium=tier.store.medium,
+            write_policy=tier.write_policy,
+            capacity_pages=tier.n_pages,
+            pages=tier.held_pages,
+            hit_tokens=self.cache.tier_hit_tokens,
+            written_pages=counters.written_pages,
+            loaded_pages=counters.loaded_pages,
+            evictions=counters.evictions,
+            bytes_written=counters.bytes_written,
+            bytes_loaded=counters.bytes_loaded,
+            write_seconds=counters.write_seconds,
+            load_seconds=counters.load_seconds,
+            enabled=tier.enabled,
+            error=tier.error,
+        )
 
     def cache_snapshot(self) -> CacheSnapshot:
         """Every page after ``step`` completed steps: state, ref count, LRU rank, running owners, keys and tokens."""
@@ -551,6 +577,17 @@ class InferenceEngine(Tenant):
     ``eviction`` picks which cached page a full pool gives up first: a name of ``astrai.eviction.POLICIES`` ("lru",
     the default, "fifo", "lfu" or "arc"); another raises ``ValueError``.
 
+    **A second KV tier** (``offload_pages`` > 0; ``astrai.tier``): full pages live on in ``offload_pages`` slots of a
+    larger, slower store, ``offload_to``: ``"memory"`` (host memory; pinned on CUDA) or, with the KV on the CPU, a
+    folder on local disk (one preallocated file, read and written in runs of pages straight to and from the pool's
+    KV: a load is real I/O). ``offload_policy``: ``"through"`` writes every page the pool stores, ``"on_evict"``
+    writes a page as the pool evicts it and drops it once loaded back; the tier evicts its own pages least recently
+    used first. A lookup continues its chain into the tier where the pool's hits end; those pages are loaded into
+    pool pages before the forward that reads them, and count as hits (``CacheStats.second_tier``). The engine's own
+    pool only (not ``add_tenant``'s), and only with prefix caching. A store that cannot be made (a folder that is not
+    one, or cannot be written, a disk too small for it; a folder for a GPU's KV) raises ``ValueError`` here; a store
+    that fails later switches the tier off with a warning, and no request fails.
+
     ``compile`` (the default on the CPU) serves the model compiled by ``torch.compile``, loaded from the on-disk
     cache when this machine compiled that model before (seconds), else compiled now (a minute or so on 2 cores) and
     cached (``compiled_forward.py``); where it cannot be compiled (no C++ compiler), the engine logs a warning and
@@ -619,6 +656,9 @@ class InferenceEngine(Tenant):
         history_size: int = 4096,
         keep_finished: int = 512,
         explain_keys: int = 16384,
+        offload_pages: int = 0,
+        offload_to: str | os.PathLike[str] = "memory",
+        offload_policy: str = "through",
     ):
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(SUPPORTED_DTYPES)}, got {dtype!r}")
@@ -647,6 +687,14 @@ class InferenceEngine(Tenant):
             raise ValueError(f"n_pages must be an integer >= 1, got {n_pages!r}")
         if isinstance(tenant_pages, bool) or not isinstance(tenant_pages, int) or tenant_pages < 0:
             raise ValueError(f"tenant_pages must be an integer >= 0, got {tenant_pages!r}")
+        if isinstance(offload_pages, bool) or not isinstance(offload_pages, int) or offload_pages < 0:
+            raise ValueError(f"offload_pages must be an integer >= 0 (0: no second tier), got {offload_pages!r}")
+        if offload_pages and offload_policy not in WRITE_POLICIES:
+            raise ValueError(f"offload_policy must be one of {list(WRITE_POLICIES)}, got {offload_policy!r}")
+        if offload_pages and not prefix_caching:
+            raise ValueError("a second tier (offload_pages) needs prefix_caching: with it off nothing is looked up")
+        if offload_pages and offload_to != "memory" and self.device.type != "cpu":
+            raise ValueError('a file tier reads into host memory: with the KV on a GPU, use offload_to="memory"')
         model_limit = getattr(model.config, "max_position_embeddings", None) or n_pages * page_size
         self.max_seq_len = min(max_seq_len or model_limit, model_limit)
         self.tokenizer: PreTrainedTokenizerBase = tokenizer
@@ -668,7 +716,27 @@ class InferenceEngine(Tenant):
         super().__init__(
             self, n_pages, page_size, 0, max_batch_size, prefix_caching, eviction, *self._observation_sizes
         )
-        self.runner = ModelRunner(model, n_pages + tenant_pages, page_size, preparation, progress, background_compile)
+        store: TierStore | None = None
+        if offload_pages:  # before the model is touched: a store that cannot be made leaves it as it was
+            page_bytes = page_size * kv_bytes_per_token(model.config, torch_dtype)
+            store = open_store(offload_to, offload_pages, page_bytes, pinned=self.device.type == "cuda")
+            longest = -(-self.max_seq_len // page_size)
+            if offload_pages < longest:
+                log.warning(
+                    "astrai: the second tier holds %d pages, fewer than one request of max_seq_len=%d tokens needs "
+                    "(%d): a long prompt's first pages are evicted from it by its last",
+                    offload_pages, self.max_seq_len, longest,
+                )  # fmt: skip
+        try:
+            self.runner = ModelRunner(
+                model, n_pages + tenant_pages, page_size, preparation, progress, background_compile
+            )
+        except BaseException:
+            if store is not None:
+                store.close()
+            raise
+        if store is not None:
+            self.cache.attach_tier(SecondTier(store, self.runner.kv_planes(), offload_policy, emit=self._emit))
         self._release_pool()  # this thread prepared the model; its idle OpenMP workers would slow the loop's
         self._thread = threading.Thread(target=self._loop, name="astrai-engine", daemon=True)
         self._thread.start()
@@ -811,6 +879,8 @@ class InferenceEngine(Tenant):
                 ]
             _deliver(outbox)
             self.runner.release()  # the last engine on the model restores it
+            if self.cache.tier is not None:
+                self.cache.tier.close()  # its file, if any, is deleted
 
     def _step(self) -> None:
         """Schedule every tenant, run one forward over all their tokens, sample, and stream each tenant's part.

@@ -395,6 +395,14 @@ class ModelRunner:
         self.prepared.forwards.forget(self)
         self.prepared.release()
 
+    def kv_planes(self) -> list[torch.Tensor]:
+        """The KV pages' bytes as planes, for the second tier (``astrai.tier.store``): one per (layer, K or V, KV
+        head), each a ``uint8`` view ``[n_pages, page_size * head_dim * itemsize]`` of the KV tensors (no copy), in
+        which page ``p`` is row ``p``; a page is its row in every plane. Views of the live KV: a copy into them is a
+        copy into the pool."""
+        n_pages = self.kv_cache[0][0].shape[1] // self.page_size
+        return [head.view(torch.uint8).view(n_pages, -1) for pair in self.kv_cache for kv in pair for head in kv]
+
     @torch.inference_mode()
     def step(self, work: list[tuple[Request, int]]) -> torch.Tensor:
         """Compute ``count`` tokens of each request; return logits [R, V] (on the device) for the requests that

@@ -37,6 +37,31 @@ Forward = Literal["eager", "compiling", "compiled", "failed"]
 
 
 @dataclass(frozen=True, slots=True)
+class TierStats:
+    """The second KV tier (``astrai.tier``) at one moment. Its counters only grow; ``pages`` is its occupancy.
+
+    ``hit_tokens`` is the part of ``CacheStats.hit_tokens`` the tier served (first admissions, counted as the pool's
+    are), so the pool's own hits are ``CacheStats.hit_tokens - hit_tokens``. Bytes and seconds count every page
+    moved, re-admissions' loads included; ``load_seconds`` is reading the store into the pool's pages.
+    """
+
+    medium: str  # where its pages live: "memory", "pinned host memory" or "file"
+    write_policy: str  # "through" or "on_evict"
+    capacity_pages: int
+    pages: int  # pages held now
+    hit_tokens: int
+    written_pages: int
+    loaded_pages: int
+    evictions: int  # pages the tier's own policy gave up for others
+    bytes_written: int
+    bytes_loaded: int
+    write_seconds: float
+    load_seconds: float
+    enabled: bool  # False once a store error switched it off (``error`` says why); it then serves nothing
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class CacheStats:
     """The cache and scheduler counters at one moment."""
 
@@ -68,6 +93,7 @@ class CacheStats:
     prefix_caching: bool
     eviction: str | None = None  # the pool's eviction policy (astrai.eviction.POLICIES); None: not reported (vLLM)
     forward: Forward | None = None  # which forward serves (``Forward``); None: not reported (a vLLM server has none)
+    second_tier: TierStats | None = None  # None: no second tier (or not reported)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +162,45 @@ class PageEvicted(EngineEvent):
     token_ids: tuple[int, ...]
     for_request: int | None = None
     evictable: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TierPageWritten(EngineEvent):
+    """A full page's KV was copied from pool page ``page`` into the second tier's ``slot``: under the "through"
+    policy when the pool stored it, under "on_evict" when the pool evicted it (then ``page`` is already free)."""
+
+    page: int
+    key: bytes
+    parent_key: bytes | None
+    token_ids: tuple[int, ...]
+    slot: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class TierPageLoaded(EngineEvent):
+    """A page's KV was loaded from the second tier's ``slot`` into pool page ``page`` for ``request``'s lookup (the
+    pool's ``PageStored`` for it comes before), in ``seconds``: its even share of the lookup's load, which reads all
+    its pages at once, in runs. ``kept``: the tier keeps its copy ("through"), or gave it up to the pool
+    ("on_evict")."""
+
+    page: int
+    key: bytes
+    slot: int
+    request: int | None
+    nbytes: int
+    seconds: float
+    kept: bool
+
+
+@dataclass(frozen=True, slots=True)
+class TierPageEvicted(EngineEvent):
+    """The second tier's own policy gave up the page in ``slot`` for another one: its KV is gone from the tier."""
+
+    key: bytes
+    parent_key: bytes | None
+    token_ids: tuple[int, ...]
+    slot: int
 
 
 @dataclass(frozen=True, slots=True)

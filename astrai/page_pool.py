@@ -97,6 +97,9 @@ class PagePool:
         self.stats = PoolStats()
         self._emit = emit  # None (a pool used on its own: tests, the trace replay): no event is built
         self.policy: EvictionPolicy = make_policy(eviction, n_pages)  # holds the cached pages; told of each change
+        # told of each eviction once it is done (page, key, tokens, parent, chain_pos), while the page's KV is still
+        # intact: the second tier's "on_evict" policy writes it there (``astrai.tier``); None: nobody listens
+        self.on_evict: Callable[[int, PageKey, tuple[int, ...], PageKey | None, int], None] | None = None
 
     # ----- queries -------------------------------------------------------------------------------------
     @property
@@ -243,7 +246,7 @@ class PagePool:
             raise MemoryError("no free or evictable page left")
         evictable = len(self.policy)
         page = self.policy.victim(incoming)
-        key, parent, tokens = self.key[page], self.parent_key[page], self.tokens[page]
+        key, parent, tokens, chain_pos = self.key[page], self.parent_key[page], self.tokens[page], self.chain_pos[page]
         if key is not None and self.index.get(key) == page:
             del self.index[key]
         self._reset(page)
@@ -260,6 +263,8 @@ class PagePool:
                 for_request=for_request,
                 evictable=evictable,
             )
+        if self.on_evict is not None and key is not None and tokens is not None:
+            self.on_evict(page, key, tokens, parent, chain_pos)
         return page
 
     def _reset(self, page: int) -> None:

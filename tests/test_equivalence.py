@@ -91,6 +91,41 @@ def check_greedy(family, device, prefix_caching: bool, pool: str, eviction: str)
         engine.pool.check_invariants()
 
 
+@pytest.mark.parametrize("store", ["memory", "file"])
+@pytest.mark.parametrize("offload_policy", ["through", "on_evict"])
+def test_second_tier_equals_transformers(family, device, offload_policy, store, tmp_path):
+    """A round trip through the second tier is a copy: the tight pool evicts constantly, a six-page tier evicts its
+    own pages as constantly, pages are loaded back from it (memory, or a file on disk), and the greedy tokens are
+    still transformers'. Each prompt alone afterwards, the longest last, so pages left in the tier are looked up."""
+    model, tokenizer, refs, pages_per_request = family
+    if store == "file" and model.config.model_type != "llama":
+        pytest.skip("the file store's bytes are the memory store's: one family proves its round trip")
+    if store == "file" and device != "cpu":
+        pytest.skip("a file tier reads into host memory: on a GPU the tier is pinned host memory (refused otherwise)")
+    with InferenceEngine(
+        model,
+        tokenizer,
+        page_size=PAGE,
+        n_pages=pages_per_request + 2,
+        max_batch_size=6,
+        device=device,
+        compile=False,
+        offload_pages=6,
+        offload_to="memory" if store == "memory" else tmp_path,
+        offload_policy=offload_policy,
+    ) as engine:
+        for _ in range(2):
+            _, ids = run_batch(engine, PROMPTS)
+            assert ids == refs
+        for prompt, ref in zip(PROMPTS[::-1], refs[::-1], strict=True):
+            assert run_batch(engine, [prompt])[1] == [ref]
+        tier = engine.cache_stats().second_tier
+        assert tier is not None and tier.enabled and tier.medium == ("file" if store == "file" else "memory")
+        assert tier.loaded_pages > 0 and tier.evictions > 0  # loaded back, across the tier's own evictions
+        engine.pool.check_invariants()
+        engine.cache.tier.check_invariants()
+
+
 def test_chunked_prefill_equals_transformers(family, device):
     """A prompt longer than the per-step token budget is prefilled over several steps, with the same result."""
     model, tokenizer, refs, _ = family

@@ -28,7 +28,11 @@ then each child of the previous key with the next page's tokens (a key is a hash
   ended (``ended_after``), reads as evicted: an eviction after the request ran never rewrites its explanation; and
   where either namespace is unknown (a server sends no salts), it was held under another salt: ``OTHER_NAMESPACE``
   to the viewer who stored it, ``NEW`` to anyone else.
+* ``LOADED`` rather than ``CACHED``: a served page whose stay began with a load from the second tier for this very
+  request's lookup (a later request served by that page reads ``CACHED``).
 * ``EVICTED`` / ``CLEARED``: the key's last stay before the lookup ended so (for whom, and first of how many);
+  ``EVICTED_BOTH`` where the key was in the second tier too, and its last stay there before the lookup ended by the
+  tier's own eviction;
   ``UNKNOWN`` (events lost) where no event ended it (the history's ``max_live`` bound did).
 * ``OTHER_REPLICA``: another replica held the whole chain to this page at the lookup (replicas share one ``seq``
   clock, as a fleet's samplers do). ``OTHER_NAMESPACE``: another namespace on the serving replica held it (or was
@@ -153,7 +157,7 @@ def _explain_one(
             lookup = _Lookup(moments.looked_up_after[info.id] + 1, None, None, replica, ended)
         else:
             lookup = _Lookup(None, None, None, replica)
-        segments = _Prompt(history, lookup, info.prompt_ids, page_size, owns).segments(info.cached_tokens)
+        segments = _Prompt(history, lookup, info.prompt_ids, page_size, owns).segments(info.cached_tokens, info.id)
     counts = dict.fromkeys(Cause, 0)
     for segment in segments:
         counts[segment.cause] += segment.end - segment.start
@@ -192,8 +196,9 @@ class _Prompt:
         self._other: dict[bool, list[Held | None]] = {}  # other replicas (True) / namespaces (False): per page
 
     # ----- the segments ---------------------------------------------------------------------------------
-    def segments(self, cached: int) -> list[Segment]:
-        """Cover ``[0, length)`` once, in order: cached, misses page by page, the partial page, the last token."""
+    def segments(self, cached: int, request: int) -> list[Segment]:
+        """Cover ``[0, length)`` once, in order: cached (or loaded for ``request``), misses page by page, the partial
+        page, the last token."""
         size, last = self.size, self.length - 1
         if last < 0:
             return []
@@ -202,7 +207,8 @@ class _Prompt:
         for i in range(hit):
             served = self._served(i)
             page = self._life(*served, with_end=False) if served else None
-            out.append((i * size, min((i + 1) * size, cached), _Fact(Cause.CACHED, page=page)))
+            loaded = served is not None and served[1].loaded and served[1].request == request
+            out.append((i * size, min((i + 1) * size, cached), _Fact(Cause.LOADED if loaded else Cause.CACHED, page)))
         if min(hit * size, last) > cached:  # a partly cached page: never from this engine's full-page hits
             out.append((cached, min(hit * size, last), _Fact(Cause.UNKNOWN, unknown=Unknown.CONFLICT)))
         capped = len(self.pages) - 1 if self.length % size == 0 else None  # the last page, never looked up
@@ -277,7 +283,13 @@ class _Prompt:
     def _ended(self, record: KeyRecord, life: Life) -> _Fact:
         if life.lost:
             return _Fact(Cause.UNKNOWN, unknown=Unknown.EVENTS_LOST)
-        return _Fact(Cause.CLEARED if life.cleared else Cause.EVICTED, page=self._life(record, life, with_end=True))
+        if life.cleared:
+            cause = Cause.CLEARED
+        elif self.lookup.at is not None and record.evicted_from_tier_before(self.lookup.at):
+            cause = Cause.EVICTED_BOTH
+        else:
+            cause = Cause.EVICTED
+        return _Fact(cause, page=self._life(record, life, with_end=True))
 
     # ----- the request's own chain --------------------------------------------------------------------
     def _walk_own(self) -> list[list[KeyRecord]]:

@@ -25,6 +25,9 @@ Invariants and bounds:
   as the history goes back (the causes view says so). No lookup is tainted for good by the bound, so a Space that
   has run for weeks still tells a new prompt from an unknown one.
   First admissions: the newest ``max_requests``.
+* A second tier (``astrai.tier``): a key's stays there (written, then evicted, or given up to the pool by a load)
+  are kept beside its stays in the pool, the last ``LIVES_KEPT``, so a miss can read "evicted from both"; a pool stay
+  that a load from the tier began is marked ``loaded``.
 * Each event costs O(1) amortized (a clear: O(pages it ends)): the indexes are dicts by node, so dropping a key
   never scans its siblings.
 """
@@ -38,7 +41,16 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from astrai.explain.records import Unknown
-from astrai.observation import CacheCleared, EngineEvent, PageEvicted, PageStored, RequestAdmitted
+from astrai.observation import (
+    CacheCleared,
+    EngineEvent,
+    PageEvicted,
+    PageStored,
+    RequestAdmitted,
+    TierPageEvicted,
+    TierPageLoaded,
+    TierPageWritten,
+)
 
 LIVES_KEPT = 8  # stays kept per key: a lookup older than a key's kept stays is answered "forgotten"
 FINGERPRINTS_PER_KEY = 4  # dropped keys remembered by fingerprint, per key kept (about 90 bytes each)
@@ -66,6 +78,16 @@ class Life:
     evicted_for: int | None = None
     evictable: int | None = None
     lost: bool = False  # ended by no event seen: ``max_live`` proved it gone by ``end_seq``, its true end is unknown
+    loaded: bool = False  # its KV was loaded from the second tier for its storer's lookup, not computed
+
+
+@dataclass(slots=True)
+class TierStay:
+    """One stay of a key in the second tier. ``end_seq`` None: still there."""
+
+    written_seq: int
+    end_seq: int | None = None
+    evicted: bool = False  # ended by the tier's own eviction (else by a load that gave it to the pool)
 
 
 @dataclass(slots=True)
@@ -79,6 +101,14 @@ class KeyRecord:
     namespace: bytes | None  # a first page's namespace; None for later pages, or where not reported
     lives: list[Life] = field(default_factory=list)
     dropped_from: int | None = None  # stays stored from this seq on, before the kept ones, were dropped
+    tier_stays: list[TierStay] = field(default_factory=list)  # in the second tier, oldest first
+
+    def evicted_from_tier_before(self, at: int) -> bool:
+        """Whether the last stay in the second tier written before ``at`` was ended by its eviction before ``at``."""
+        for stay in reversed(self.tier_stays):
+            if stay.written_seq < at:
+                return stay.evicted and stay.end_seq is not None and stay.end_seq < at
+        return False
 
     def forgotten_before(self, at: int) -> bool:
         """Whether a dropped stay may have been the one in cache before ``at`` (no kept stay is stored before it)."""
@@ -180,6 +210,8 @@ class KeyHistory:
             self._cleared(event, replica)
         elif isinstance(event, RequestAdmitted):
             self._admitted(event, replica)
+        elif isinstance(event, (TierPageWritten, TierPageLoaded, TierPageEvicted)):
+            self._tier(event, replica)
 
     def _stored(self, event: PageStored, replica: int) -> None:
         node = (replica, event.key)
@@ -232,6 +264,23 @@ class KeyHistory:
         self._end(life, event)
         life.evicted_for, life.evictable = event.for_request, event.evictable
         self._dead[(replica, event.key)] = None
+
+    def _tier(self, event: TierPageWritten | TierPageLoaded | TierPageEvicted, replica: int) -> None:
+        """A key's stay in the second tier begins (written) or ends (evicted, or loaded and not kept); a load marks
+        the pool stay it began (its ``PageStored`` came before)."""
+        record = self._records.get((replica, event.key))
+        if record is None:
+            return  # not in the kept history: its pool stays are unknown too
+        stays = record.tier_stays
+        if isinstance(event, TierPageWritten):
+            stays.append(TierStay(event.seq))
+            del stays[:-LIVES_KEPT]
+            return
+        if isinstance(event, TierPageLoaded) and record.lives and record.lives[-1].end_seq is None:
+            record.lives[-1].loaded = True
+        if stays and stays[-1].end_seq is None and not (isinstance(event, TierPageLoaded) and event.kept):
+            stays[-1].end_seq = event.seq
+            stays[-1].evicted = isinstance(event, TierPageEvicted)
 
     def _cleared(self, event: CacheCleared, replica: int) -> None:
         live = self._live.pop(replica, {})

@@ -2,7 +2,8 @@
 
 An ``Explanation`` covers one request's prompt with ``Segment``s, ``[start, end)`` token ranges in order, each with
 one ``Cause``: every prompt token is in exactly one segment, so ``counts`` sums to ``prompt_tokens``, and the
-``CACHED`` count is the engine's own ``cached_tokens`` (0 before the first admission), except in two typed states
+``CACHED`` count plus the ``LOADED`` one (served from the second tier) is the engine's own ``cached_tokens`` (0 before
+the first admission), except in two typed states
 that cover the whole prompt: ``IN_PROGRESS`` (the admission's step is still running, so its pages are not all
 stored yet: read again once it ends) and ``UNKNOWN`` / ``CONFLICT`` for an impossible ``cached_tokens`` (negative,
 or the whole prompt: a server's usage is outside input). What a preemption made the
@@ -20,9 +21,11 @@ class Cause(StrEnum):
     """Why a prompt token was, or was not, served from the prefix cache at the request's first admission."""
 
     CACHED = "cached"  # served: ``Segment.page`` says who stored the page (and whether in the very same step)
+    LOADED = "loaded"  # served from the second tier: loaded into the pool for this very lookup (``astrai.tier``)
     # no page with these tokens after this prefix was stored in this namespace, as far as the history goes back
     NEW = "new"
     EVICTED = "evicted"  # stored, then evicted before the lookup: ``Segment.page`` says when and for whom
+    EVICTED_BOTH = "evicted_both"  # evicted from the pool, and from the second tier too, before the lookup
     CLEARED = "cleared"  # stored, then dropped by a Clear cache before the lookup
     DIVERGED = "diverged"  # the viewer's own page after the same prefix differs from this one: ``Segment.divergence``
     PARTIAL_PAGE = "partial_page"  # after the last full page: only full pages are cached
@@ -98,8 +101,9 @@ class Explanation:
 
     request: int
     prompt_tokens: int
-    cached_tokens: int | None  # the engine's own count (None: not admitted yet); equals ``counts[Cause.CACHED]``
-    # but where the whole prompt reads ``IN_PROGRESS`` or, the count being impossible, ``UNKNOWN`` (conflict)
+    # the engine's own count (None: not admitted yet); equals ``counts[Cause.CACHED] + counts[Cause.LOADED]`` but
+    # where the whole prompt reads ``IN_PROGRESS`` or, the count being impossible, ``UNKNOWN`` (conflict)
+    cached_tokens: int | None
     replica: int  # the replica that served it
     admitted_step: int | None  # the step of its first admission, where the history holds it
     segments: tuple[Segment, ...]

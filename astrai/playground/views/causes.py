@@ -17,8 +17,10 @@ from astrai.explain import Cause, Explanation, PageLife, Segment, Unknown
 # The causes in the order a reader meets them (cached first), with their words and colours.
 CAUSES: dict[Cause, tuple[str, str]] = {
     Cause.CACHED: ("cached", "#86efac"),
+    Cause.LOADED: ("loaded from the second tier", "#bef264"),
     Cause.NEW: ("new", "#fdba74"),
     Cause.EVICTED: ("evicted", "#fca5a5"),
+    Cause.EVICTED_BOTH: ("evicted from both", "#f87171"),
     Cause.CLEARED: ("cleared", "#f9a8d4"),
     Cause.DIVERGED: ("diverged", "#c4b5fd"),
     Cause.PARTIAL_PAGE: ("partial page", "#e5e7eb"),
@@ -77,8 +79,12 @@ def hover(segment: Segment, whose: Whose, shown: Callable[[Sequence[int]], str] 
             f"{tokens} computed: no page with these tokens after this prefix was stored here, as far as the app's "
             "history goes back"
         )
+    elif cause is Cause.LOADED:
+        line = f"{tokens} loaded from the second tier into the pool for this request, not computed"
     elif cause in (Cause.EVICTED, Cause.CLEARED) and page is not None:
         line = f"{tokens} computed again: {_ended(page, whose)}"
+    elif cause is Cause.EVICTED_BOTH and page is not None:
+        line = f"{tokens} computed again: {_ended(page, whose)}, then evicted from the second tier too"
     elif cause is Cause.DIVERGED and segment.divergence is not None:
         d = segment.divergence
         yours, this = (_written(t, shown) for t in (d.cached_tokens[d.at :], d.prompt_tokens[d.at :]))
