@@ -1,11 +1,15 @@
 """``python -m astrai.lab TRACE [TRACE ...] [--capacity LIST] [--policy LIST] [--block-size B] [--json]``: hit rate
 against capacity. ``python -m astrai.lab ladder TRACE --capacity C ...``: the hit-rate ladder (``cli.py``).
+``python -m astrai.lab TRACE --capacity C1 --tier2 C2 --write through|on_evict [--json]``: tiered replay
+(``tiered.py``; each option takes a comma-separated list, and every combination runs).
 
 Replays each trace through the real page pool (``replay.py``) under every policy at every capacity (``--semantics``:
 pages of an engine's pool, the default, or ``trace``: cached blocks after each request), plus once without a bound:
 the ceiling. Text: a table of token hit rates per policy and capacity, and one of the orphans left at the end
 (cached blocks whose parent is gone). ``--json``: one object per trace with its ``semantics``, its ``ceiling`` and
 ``rows`` of ``policy``, ``capacity``, ``hit_rate``, ``hit_tokens``, ``evictions``, ``orphans``, ``refused``.
+With ``--tier2``, the rows are ``TieredResult``'s fields, ``hit_rate`` and ``ttft_saved_s`` (``--load-ms``,
+``--prefill-ms`` per ``--page-tokens`` page: the engine's measured costs, ``tiered.py`` says whose by default).
 
 The curves shipped for the playground are made by::
 
@@ -24,6 +28,17 @@ from collections.abc import Sequence
 
 from astrai.lab import cli
 from astrai.lab.replay import CAPACITY_MEANING, REPLAY_POLICIES, SEMANTICS, Replay, ReplayResult, curve
+from astrai.lab.tiered import (
+    LOAD_MS_PER_PAGE,
+    MEASURED_MODEL,
+    PAGE_TOKENS,
+    PREFILL_MS_PER_PAGE,
+    TieredResult,
+    run_tiered,
+    ttft_saved_seconds,
+)
+from astrai.lab.trace import Trace
+from astrai.tier import WRITE_POLICIES
 
 
 def log_capacities(low: int = 1000, high: int = 50_000, points: int = 10) -> list[int]:
@@ -49,6 +64,24 @@ def _policy_list(text: str) -> list[str]:
     return policies
 
 
+def _write_list(text: str) -> list[str]:
+    writes = text.split(",")
+    unknown = [w for w in writes if w not in WRITE_POLICIES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown write policy {unknown[0]!r}; choose from {','.join(WRITE_POLICIES)}")
+    return writes
+
+
+def _milliseconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"not a number of milliseconds: {text!r}") from error
+    if not value >= 0:
+        raise argparse.ArgumentTypeError("milliseconds are >= 0")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["ladder"]:
@@ -61,7 +94,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=log_capacities(),
         help="capacities (see --semantics), comma-separated (default: 10 on a log scale from 1,000 to 50,000)",
     )
-    parser.add_argument("--policy", type=_policy_list, default=list(REPLAY_POLICIES), help="comma-separated")
+    parser.add_argument(
+        "--policy", type=_policy_list, default=None, help="comma-separated (default: all; with --tier2, lru)"
+    )
     parser.add_argument(
         "--semantics",
         choices=SEMANTICS,
@@ -73,8 +108,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--processes", type=cli.integer_at_least(1), default=None, help="replays in parallel (default: the CPUs)"
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    tiered = parser.add_argument_group("tiered replay", f"costs default to {MEASURED_MODEL}")
+    tiered.add_argument("--tier2", type=_int_list, default=None, help="tier 2's blocks (LRU), comma-separated")
+    tiered.add_argument("--write", type=_write_list, default=["through"], help="through, on_evict or both")
+    tiered.add_argument("--load-ms", type=_milliseconds, default=LOAD_MS_PER_PAGE, help="to load a page from tier 2")
+    tiered.add_argument("--prefill-ms", type=_milliseconds, default=PREFILL_MS_PER_PAGE, help="to recompute a page")
+    tiered.add_argument("--page-tokens", type=cli.integer_at_least(1), default=PAGE_TOKENS, help="tokens a page")
     args = parser.parse_args(argv)
     traces = [cli.read_or_exit(parser, path, args.block_size) for path in args.traces]  # all checked before any runs
+    if args.tier2 is not None:
+        return _tiered(args, traces)
+    args.policy = args.policy or list(REPLAY_POLICIES)
     report = []
     for trace in traces:
         started = time.perf_counter()
@@ -91,6 +135,52 @@ def main(argv: Sequence[str] | None = None) -> int:
         json.dump({"traces": report}, sys.stdout, indent=1)
         print()
     return 0
+
+
+def _tiered(args: argparse.Namespace, traces: list[Trace]) -> int:
+    """Every tier-1 policy, capacity, tier-2 size and write policy on each trace: a table, or JSON rows."""
+    report = []
+    for trace in traces:
+        prepared = Replay(trace)
+        jobs = [
+            (p, c, t, w) for p in args.policy or ["lru"] for c in args.capacity for t in args.tier2 for w in args.write
+        ]
+        rows = [run_tiered(prepared, *job, semantics=args.semantics) for job in jobs]
+        saved = [ttft_saved_seconds(r, args.load_ms, args.prefill_ms, args.page_tokens) for r in rows]
+        if args.json:
+            report.append(
+                {"trace": trace.name, "semantics": args.semantics, "requests": len(trace.requests)}
+                | {
+                    "rows": [
+                        dataclasses.asdict(r) | {"hit_rate": r.hit_rate, "ttft_saved_s": s}
+                        for r, s in zip(rows, saved, strict=True)
+                    ]
+                }
+            )
+        else:
+            _print_tiered(trace, rows, saved, args)
+    if args.json:
+        json.dump({"traces": report}, sys.stdout, indent=1)
+        print()
+    return 0
+
+
+def _print_tiered(trace: Trace, rows: list[TieredResult], saved: list[float], args: argparse.Namespace) -> None:
+    print(
+        f"{trace.name}: {len(trace.requests):,} requests, {trace.input_tokens:,} prompt tokens; tier 1: "
+        f"{CAPACITY_MEANING[args.semantics]}; tier 2: blocks under LRU; TTFT saved by tier 2's hits at "
+        f"{args.load_ms:g} ms to load and {args.prefill_ms:g} ms to recompute a {args.page_tokens}-token page"
+    )
+    head = ("policy", "tier 1", "tier 2", "write", "hit rate", "tier-1 hits", "tier-2 hits", "written", "loaded")
+    print("  " + "".join(f"{h:>12}" for h in head) + f"{'TTFT saved':>14}{'per request':>13}")
+    for r, s in zip(rows, saved, strict=True):
+        q = r.query_tokens or 1
+        cells = [r.policy, f"{r.capacity:,}", f"{r.tier2:,}", r.write, f"{r.hit_rate:.2%}"]
+        cells += [f"{r.tier1_hit_tokens / q:.2%}", f"{r.tier2_hit_tokens / q:.2%}", f"{r.blocks_written:,}"]
+        cells.append(f"{r.blocks_loaded:,}")
+        per = s / len(trace.requests) * 1000 if trace.requests else 0.0
+        print("  " + "".join(f"{c:>12}" for c in cells) + f"{s:>12,.1f} s{per:>10,.0f} ms")
+    print()
 
 
 def _trace_json(prepared: Replay, ceiling: ReplayResult, rows: list[ReplayResult]) -> dict[str, object]:

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
@@ -60,6 +60,7 @@ from astrai.lab.trace import Trace
 from astrai.page_pool import PageKey, PagePool, page_key
 from astrai.request import Request
 from astrai.sampling import SamplingParams
+from astrai.tier import SecondTier
 
 REPLAY_POLICIES = (*POLICIES, Belady.name)  # every online policy, and the offline bound
 Semantics = Literal["engine", "trace"]
@@ -69,6 +70,7 @@ CAPACITY_MEANING: dict[Semantics, str] = {
     "trace": "blocks cached after each request (pages in use not counted)",
 }
 _PARAMS = SamplingParams(max_tokens=1)  # a Request needs some; nothing is sampled
+TierFactory = Callable[[PagePool], SecondTier]
 
 
 @dataclass(frozen=True)
@@ -145,8 +147,11 @@ class Replay:
         """The prompt tokens the cache served each request, in the trace's order (0 for a refused one)."""
         return self._replay(policy, capacity, semantics)[0]
 
-    def _replay(self, policy: str, capacity: int | None, semantics: Semantics) -> tuple[list[int], PagePool, int]:
-        """Each request's hit tokens, the pool as the replay left it, and how many requests were refused."""
+    def _replay(
+        self, policy: str, capacity: int | None, semantics: Semantics, tier: TierFactory | None = None
+    ) -> tuple[list[int], PagePool, int]:
+        """Each request's hit tokens, the pool as the replay left it, and how many requests were refused. ``tier``:
+        makes the second tier the manager continues its lookups into (``tiered.py``), given the pool."""
         if policy not in REPLAY_POLICIES:
             raise ValueError(f"policy must be one of {list(REPLAY_POLICIES)}, got {policy!r}")
         if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):
@@ -172,6 +177,8 @@ class Replay:
             pages = max(1, busiest if capacity is None else min(capacity, busiest))
         pool = PagePool(pages, 1, eviction=eviction)
         manager = KVCacheManager(pool, prefix_caching=True)
+        if tier is not None:
+            manager.attach_tier(tier(pool))
         size, skip = self.trace.block_size, frozenset(refused)
         hits: list[int] = []
         for i, request in enumerate(self.trace.requests):

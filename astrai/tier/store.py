@@ -28,8 +28,10 @@ import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported where a store touches tensors: the lab's replay uses the tier without torch
+    import torch
 
 
 class TierStore(ABC):
@@ -50,6 +52,8 @@ class TierStore(ABC):
         of ``[n_pages, segment_bytes]``, contiguous, whose segments add up to ``page_bytes``."""
         if not planes:
             raise ValueError("a tier store needs at least one plane of KV")
+        import torch
+
         n_pages, segment = planes[0].shape
         for plane in planes:
             if plane.dtype != torch.uint8 or plane.shape != (n_pages, segment) or not plane.is_contiguous():
@@ -87,6 +91,8 @@ class MemoryStore(TierStore):
     """The slots in one host tensor; ``pinned``: page-locked, so a CUDA device copies to and from it directly."""
 
     def __init__(self, slots: int, page_bytes: int, pinned: bool = False) -> None:
+        import torch
+
         super().__init__(slots, page_bytes)
         self.medium = "pinned host memory" if pinned else "memory"
         self._data = torch.empty(slots * page_bytes, dtype=torch.uint8, pin_memory=pinned)

@@ -40,14 +40,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-import torch
-
 from astrai.eviction import make_policy
 from astrai.observation import TierPageEvicted, TierPageLoaded, TierPageWritten
-from astrai.tier.store import TierStore
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # types only: the lab replays through the tier without importing torch
+    import torch
+
     from astrai.page_pool import Emit, PageKey
+    from astrai.tier.store import TierStore
 
 log = logging.getLogger("astrai")
 
