@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 
 from astrai.lab import cli
-from astrai.lab.replay import CAPACITY_MEANING, REPLAY_POLICIES, SEMANTICS, Replay, ReplayResult, curve
+from astrai.lab.replay import CAPACITY_MEANING, REPLAY_POLICIES, SEMANTICS, Replay, ReplayResult, curve, in_parallel
 from astrai.lab.tiered import (
     LOAD_MS_PER_PAGE,
     MEASURED_MODEL,
@@ -111,9 +111,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     tiered = parser.add_argument_group("tiered replay", f"costs default to {MEASURED_MODEL}")
     tiered.add_argument("--tier2", type=_int_list, default=None, help="tier 2's blocks (LRU), comma-separated")
     tiered.add_argument("--write", type=_write_list, default=["through"], help="through, on_evict or both")
-    tiered.add_argument("--load-ms", type=_milliseconds, default=LOAD_MS_PER_PAGE, help="to load a page from tier 2")
-    tiered.add_argument("--prefill-ms", type=_milliseconds, default=PREFILL_MS_PER_PAGE, help="to recompute a page")
-    tiered.add_argument("--page-tokens", type=cli.integer_at_least(1), default=PAGE_TOKENS, help="tokens a page")
+    tiered.add_argument(
+        "--load-ms",
+        type=_milliseconds,
+        default=LOAD_MS_PER_PAGE,
+        help=f"ms to load a page from tier 2 (default {LOAD_MS_PER_PAGE})",
+    )
+    tiered.add_argument(
+        "--prefill-ms",
+        type=_milliseconds,
+        default=PREFILL_MS_PER_PAGE,
+        help=f"ms to recompute a page (default {PREFILL_MS_PER_PAGE})",
+    )
+    tiered.add_argument(
+        "--page-tokens",
+        type=cli.integer_at_least(1),
+        default=PAGE_TOKENS,
+        help=f"tokens in the page those costs are for (default {PAGE_TOKENS})",
+    )
     args = parser.parse_args(argv)
     traces = [cli.read_or_exit(parser, path, args.block_size) for path in args.traces]  # all checked before any runs
     if args.tier2 is not None:
@@ -142,20 +157,24 @@ def _tiered(args: argparse.Namespace, traces: list[Trace]) -> int:
     report = []
     for trace in traces:
         prepared = Replay(trace)
+        policies = args.policy or ["lru"]
         jobs = [
-            (p, c, t, w) for p in args.policy or ["lru"] for c in args.capacity for t in args.tier2 for w in args.write
+            (p, c, t, w, args.semantics)
+            for p in policies
+            for c in args.capacity
+            for t in args.tier2
+            for w in args.write
         ]
-        rows = [run_tiered(prepared, *job, semantics=args.semantics) for job in jobs]
+        prepared.prepare_belady(policies, args.capacity, args.semantics)
+        rows = in_parallel(prepared, run_tiered, jobs, args.processes)
         saved = [ttft_saved_seconds(r, args.load_ms, args.prefill_ms, args.page_tokens) for r in rows]
         if args.json:
+            table = [
+                dataclasses.asdict(r) | {"hit_rate": r.hit_rate, "ttft_saved_s": s}
+                for r, s in zip(rows, saved, strict=True)
+            ]
             report.append(
-                {"trace": trace.name, "semantics": args.semantics, "requests": len(trace.requests)}
-                | {
-                    "rows": [
-                        dataclasses.asdict(r) | {"hit_rate": r.hit_rate, "ttft_saved_s": s}
-                        for r, s in zip(rows, saved, strict=True)
-                    ]
-                }
+                {"trace": trace.name, "semantics": args.semantics, "requests": len(trace.requests), "rows": table}
             )
         else:
             _print_tiered(trace, rows, saved, args)

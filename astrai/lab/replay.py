@@ -51,7 +51,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 from astrai.eviction import POLICIES, PolicyFactory
 from astrai.kv_cache_manager import KVCacheManager
@@ -71,6 +71,7 @@ CAPACITY_MEANING: dict[Semantics, str] = {
 }
 _PARAMS = SamplingParams(max_tokens=1)  # a Request needs some; nothing is sampled
 TierFactory = Callable[[PagePool], SecondTier]
+Result = TypeVar("Result")
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,12 @@ class Replay:
             self._futures[refused] = Future(self.trace, self.keys, frozenset(refused))
         return self._futures[refused]
 
+    def prepare_belady(self, policies: Sequence[str], capacities: Sequence[int | None], semantics: Semantics) -> None:
+        """Build Belady's futures for these runs now: before a fork, once, not once per worker."""
+        if Belady.name in policies:
+            for capacity in capacities:
+                self.future_without(self.refused(capacity, semantics))
+
     def refused(self, capacity: int | None, semantics: Semantics = "engine") -> tuple[int, ...]:
         """The requests an engine with a pool of ``capacity`` pages refuses: their prompt and the one token they
         sample do not fit in it (``InferenceEngine`` refuses a prompt whose tokens and ``max_tokens`` need more KV
@@ -128,7 +135,7 @@ class Replay:
 
     def run(self, policy: str, capacity: int | None, semantics: Semantics = "engine") -> ReplayResult:
         """Replay the whole trace through a fresh pool (see the module docstring for the exact rules)."""
-        hits, pool, refused = self._replay(policy, capacity, semantics)
+        hits, pool, refused = self.replay_hits(policy, capacity, semantics)
         hit_tokens = sum(hits)
         query_tokens = self.trace.input_tokens
         orphans = sum(pool.parent_key[p] is not None and pool.parent_key[p] not in pool.index for p in pool.policy)
@@ -145,9 +152,9 @@ class Replay:
 
     def request_hits(self, policy: str, capacity: int | None, semantics: Semantics = "engine") -> list[int]:
         """The prompt tokens the cache served each request, in the trace's order (0 for a refused one)."""
-        return self._replay(policy, capacity, semantics)[0]
+        return self.replay_hits(policy, capacity, semantics)[0]
 
-    def _replay(
+    def replay_hits(
         self, policy: str, capacity: int | None, semantics: Semantics, tier: TierFactory | None = None
     ) -> tuple[list[int], PagePool, int]:
         """Each request's hit tokens, the pool as the replay left it, and how many requests were refused. ``tier``:
@@ -205,12 +212,30 @@ def replay(trace: Trace, policy: str, capacity: int | None, semantics: Semantics
     return Replay(trace).run(policy, capacity, semantics)
 
 
-_worker_replay: Replay | None = None  # a curve's prepared trace, inherited by its worker processes (fork)
+_worker: tuple[Replay, Callable[..., Any]] | None = None  # a prepared trace and its run, inherited by workers (fork)
 
 
-def _run_one(job: tuple[str, int | None, Semantics]) -> ReplayResult:
-    assert _worker_replay is not None
-    return _worker_replay.run(*job)
+def _run_one(job: tuple[Any, ...]) -> Any:
+    assert _worker is not None
+    prepared, run = _worker
+    return run(prepared, *job)
+
+
+def in_parallel(
+    prepared: Replay, run: Callable[..., Result], jobs: Sequence[tuple[Any, ...]], processes: int | None = None
+) -> list[Result]:
+    """``run(prepared, *job)`` for every job, in order. ``processes`` (default: the CPUs, at most the jobs) run them
+    in parallel; the prepared trace reaches them by ``fork`` (where there is none, or with 1, they run here)."""
+    processes = min(processes or os.cpu_count() or 1, len(jobs))
+    if processes <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        return [run(prepared, *job) for job in jobs]
+    global _worker
+    _worker = (prepared, run)
+    try:
+        with multiprocessing.get_context("fork").Pool(processes) as pool:
+            return pool.map(_run_one, jobs, chunksize=1)
+    finally:
+        _worker = None
 
 
 def curve(
@@ -220,20 +245,8 @@ def curve(
     processes: int | None = None,
     semantics: Semantics = "engine",
 ) -> list[ReplayResult]:
-    """Every policy at every capacity, policy-major. ``processes`` (default: the CPUs, at most the runs) replay in
-    parallel; the prepared trace reaches them by ``fork`` (where there is none, or with 1, they run here)."""
+    """Every policy at every capacity, policy-major, on ``processes`` (``in_parallel``)."""
     prepared = trace if isinstance(trace, Replay) else Replay(trace)
     jobs = [(policy, capacity, semantics) for policy in policies for capacity in capacities]
-    processes = min(processes or os.cpu_count() or 1, len(jobs))
-    if Belady.name in policies:  # built once here, before the fork, not once per worker
-        for capacity in capacities:
-            prepared.future_without(prepared.refused(capacity, semantics))
-    if processes <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-        return [prepared.run(*job) for job in jobs]
-    global _worker_replay
-    _worker_replay = prepared
-    try:
-        with multiprocessing.get_context("fork").Pool(processes) as pool:
-            return pool.map(_run_one, jobs, chunksize=1)
-    finally:
-        _worker_replay = None
+    prepared.prepare_belady(policies, capacities, semantics)
+    return in_parallel(prepared, Replay.run, jobs, processes)

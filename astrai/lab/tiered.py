@@ -107,7 +107,7 @@ def run_tiered(
         tiers.append(SecondTier(BooklessStore(tier2), [], write_policy=write))
         return tiers[-1]
 
-    hits, pool, refused = prepared._replay(policy, capacity, semantics, make_tier if tier2 else None)
+    hits, pool, refused = prepared.replay_hits(policy, capacity, semantics, make_tier if tier2 else None)
     counters = tiers[0].counters if tiers else None
     loaded = counters.loaded_pages if counters else 0
     size = prepared.trace.block_size
