@@ -102,6 +102,7 @@ def test_the_command_starts_without_torch():
         "from astrai.lab.__main__ import main\n"
         "main(['assets/traces/synthetic_trace.jsonl', '--capacity', '10', '--policy', 'lru', '--processes', '1'])\n"
         "main(['ladder', 'assets/traces/synthetic_trace.jsonl', '--capacity', '10', '--processes', '1'])\n"
+        "main(['assets/traces/synthetic_trace.jsonl', '--capacity', '10', '--tier2', '20', '--processes', '1'])\n"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True).stdout
