@@ -192,6 +192,9 @@ def test_the_command_line_gives_each_tier_s_hits_and_the_ttft_saved(tmp_path, ca
     assert main([*argv]) == 0
     text = capsys.readouterr().out
     assert "tier 2" in text and "TTFT saved" in text
+    with pytest.raises(SystemExit) as refused:  # a tiered option without --tier2 would be silently ignored
+        main([str(path), "--write", "on_evict"])
+    assert refused.value.code == 2 and "give --tier2" in capsys.readouterr().err
 
 
 def test_ttft_saved_counts_each_tier_2_page_s_recompute_less_its_load():

@@ -1,7 +1,7 @@
 """``python -m astrai.lab TRACE [TRACE ...] [--capacity LIST] [--policy LIST] [--block-size B] [--json]``: hit rate
 against capacity. ``python -m astrai.lab ladder TRACE --capacity C ...``: the hit-rate ladder (``cli.py``).
 ``python -m astrai.lab TRACE --capacity C1 --tier2 C2 --write through|on_evict [--json]``: tiered replay
-(``tiered.py``; each option takes a comma-separated list, and every combination runs).
+(``tiered.py``; ``--capacity``, ``--tier2`` and ``--write`` each take a comma-separated list; every combination runs).
 
 Replays each trace through the real page pool (``replay.py``) under every policy at every capacity (``--semantics``:
 pages of an engine's pool, the default, or ``trace``: cached blocks after each request), plus once without a bound:
@@ -110,26 +110,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     tiered = parser.add_argument_group("tiered replay", f"costs default to {MEASURED_MODEL}")
     tiered.add_argument("--tier2", type=_int_list, default=None, help="tier 2's blocks (LRU), comma-separated")
-    tiered.add_argument("--write", type=_write_list, default=["through"], help="through, on_evict or both")
+    tiered.add_argument("--write", type=_write_list, help="through (the default), on_evict or both")
     tiered.add_argument(
         "--load-ms",
         type=_milliseconds,
-        default=LOAD_MS_PER_PAGE,
         help=f"ms to load a page from tier 2 (default {LOAD_MS_PER_PAGE})",
     )
     tiered.add_argument(
         "--prefill-ms",
         type=_milliseconds,
-        default=PREFILL_MS_PER_PAGE,
         help=f"ms to recompute a page (default {PREFILL_MS_PER_PAGE})",
     )
     tiered.add_argument(
         "--page-tokens",
         type=cli.integer_at_least(1),
-        default=PAGE_TOKENS,
         help=f"tokens in the page those costs are for (default {PAGE_TOKENS})",
     )
     args = parser.parse_args(argv)
+    tiered_only = ("write", "load_ms", "prefill_ms", "page_tokens")
+    if args.tier2 is None and any(getattr(args, name) is not None for name in tiered_only):
+        parser.error("--write, --load-ms, --prefill-ms and --page-tokens are for a tiered replay: give --tier2")
     traces = [cli.read_or_exit(parser, path, args.block_size) for path in args.traces]  # all checked before any runs
     if args.tier2 is not None:
         return _tiered(args, traces)
@@ -154,6 +154,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _tiered(args: argparse.Namespace, traces: list[Trace]) -> int:
     """Every tier-1 policy, capacity, tier-2 size and write policy on each trace: a table, or JSON rows."""
+    args.write = args.write or ["through"]
+    args.load_ms = LOAD_MS_PER_PAGE if args.load_ms is None else args.load_ms
+    args.prefill_ms = PREFILL_MS_PER_PAGE if args.prefill_ms is None else args.prefill_ms
+    args.page_tokens = args.page_tokens or PAGE_TOKENS
     report = []
     for trace in traces:
         prepared = Replay(trace)
