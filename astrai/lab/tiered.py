@@ -1,7 +1,7 @@
 """Tiered replay: a trace through the pool (tier 1) and the engine's own ``SecondTier`` (tier 2), no model, no bytes.
 
 The rules are the engine's, because the code is: ``Replay`` drives the real ``KVCacheManager`` with a ``SecondTier``
-attached (``attach_tier``), over a store that keeps no bytes (``BooklessStore``: the tier's index, free list, LRU
+attached (``attach_tier``), over a store that keeps no bytes (``BytelessStore``: the tier's index, free list, LRU
 order, write policy and counters run as in an engine; only the copies are left out). Stated exactly, so that an
 independent simulator can check them (``tests/test_lab_tier.py`` has one):
 
@@ -43,7 +43,7 @@ PREFILL_MS_PER_PAGE = 83.0
 PAGE_TOKENS = 16  # the engine's page when those were measured
 
 
-class BooklessStore(TierStore):
+class BytelessStore(TierStore):
     """A tier store that keeps no bytes: ``SecondTier`` does all its bookkeeping over it, and its copies do nothing.
     It binds to no KV (the replay's pool has none); one byte a slot is its nominal size (``TierStore`` needs one)."""
 
@@ -104,7 +104,7 @@ def run_tiered(
     tiers: list[SecondTier] = []
 
     def make_tier(pool: PagePool) -> SecondTier:
-        tiers.append(SecondTier(BooklessStore(tier2), [], write_policy=write))
+        tiers.append(SecondTier(BytelessStore(tier2), [], write_policy=write))
         return tiers[-1]
 
     hits, pool, refused = prepared.replay_hits(policy, capacity, semantics, make_tier if tier2 else None)
