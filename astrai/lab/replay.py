@@ -70,7 +70,7 @@ CAPACITY_MEANING: dict[Semantics, str] = {
     "trace": "blocks cached after each request (pages in use not counted)",
 }
 _PARAMS = SamplingParams(max_tokens=1)  # a Request needs some; nothing is sampled
-TierFactory = Callable[[PagePool], SecondTier]
+TierFactory = Callable[[], SecondTier]
 Result = TypeVar("Result")
 
 
@@ -158,7 +158,7 @@ class Replay:
         self, policy: str, capacity: int | None, semantics: Semantics, tier: TierFactory | None = None
     ) -> tuple[list[int], PagePool, int]:
         """Each request's hit tokens, the pool as the replay left it, and how many requests were refused. ``tier``:
-        makes the second tier the manager continues its lookups into (``tiered.py``), given the pool."""
+        makes the second tier the manager continues its lookups into (``tiered.py``)."""
         if policy not in REPLAY_POLICIES:
             raise ValueError(f"policy must be one of {list(REPLAY_POLICIES)}, got {policy!r}")
         if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):
@@ -185,7 +185,7 @@ class Replay:
         pool = PagePool(pages, 1, eviction=eviction)
         manager = KVCacheManager(pool, prefix_caching=True)
         if tier is not None:
-            manager.attach_tier(tier(pool))
+            manager.attach_tier(tier())
         size, skip = self.trace.block_size, frozenset(refused)
         hits: list[int] = []
         for i, request in enumerate(self.trace.requests):

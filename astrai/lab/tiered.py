@@ -33,7 +33,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from astrai.lab.replay import Replay, Semantics
-from astrai.page_pool import PagePool
 from astrai.tier import WRITE_POLICIES, SecondTier, TierStore, WritePolicy
 
 # docs/benchmarks.md, "The second tier against recomputing": SmolLM2-135M-shaped, float32, 2,048-token prefix
@@ -103,7 +102,7 @@ def run_tiered(
         raise ValueError(f"tier2 must be an integer >= 0, got {tier2!r}")
     tiers: list[SecondTier] = []
 
-    def make_tier(pool: PagePool) -> SecondTier:
+    def make_tier() -> SecondTier:
         tiers.append(SecondTier(BytelessStore(tier2), [], write_policy=write))
         return tiers[-1]
 
