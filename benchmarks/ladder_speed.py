@@ -11,7 +11,7 @@ Times, over ``--rounds`` rounds (min / median / max), in this process:
   timed all the same); and that ladder alone, from the trace.
 
 Then both Mooncake traces' ladders at 1,000, 5,859 and 20,000 blocks (the table in README's lab section), under
-``--semantics`` (the replay's rules; default: its default).
+``--semantics`` (the replay's rules, ``astrai.lab.replay.SEMANTICS``; the first by default).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any
 
 from astrai.lab.ladder import Ladder, ladder
 from astrai.lab.record import from_requests
+from astrai.lab.replay import SEMANTICS
 from astrai.lab.trace import read_trace
 from astrai.observation import RequestInfo
 from benchmarks.host_cpu import cpu_name
@@ -72,12 +73,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--processes", type=int, default=2)
-    parser.add_argument("--semantics", default=None, help="the replay's rules (default: its default)")
+    parser.add_argument("--semantics", choices=SEMANTICS, default=SEMANTICS[0], help="the replay's rules")
     args = parser.parse_args()
     options = {"processes": args.processes, "semantics": args.semantics}
     print(cpu_name())
     load = ", ".join(f"{value:.2f}" for value in os.getloadavg())
-    rules = args.semantics or "the replay's default"
+    rules = args.semantics
     print(f"min / median / max of {args.rounds} rounds, {args.processes} processes, {rules} rules; load average {load}")
     conversation = lambda: ladder(read_trace(CONVERSATION), 5859, "lru", **options)  # noqa: E731
     print(f"  conversation trace: read + ladder, lru at 5,859 blocks  {timed(args.rounds, conversation)}")
