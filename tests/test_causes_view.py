@@ -7,6 +7,7 @@ import re
 from html import escape as html_escape
 
 from astrai.explain import Cause, Divergence, Explanation, PageLife, Segment
+from astrai.observation import RequestInfo
 from astrai.playground.views import causes
 from astrai.playground.views import text as views
 
@@ -92,3 +93,23 @@ def _info():
     from astrai.observation import RequestInfo
 
     return RequestInfo(11, "finished", 20, 8, 3, 0, tuple(range(20)), (1, 2, 3), 0.1, 10.0, None, 0)
+
+
+def test_a_badge_counts_the_tokens_loaded_from_the_second_tier_as_part_of_the_cached_ones():
+    """The engine's cached count includes the tier's loads: the badge says how many of them, never beside them."""
+    why = explanation(
+        [
+            Segment(0, 8, Cause.CACHED, page=life(10)),
+            Segment(8, 24, Cause.LOADED, page=life(5)),
+            Segment(24, 30, Cause.NEW),
+            Segment(30, 31, Cause.LAST_TOKEN),
+        ],
+        31,
+    )
+    info = RequestInfo(
+        id=11, status="finished", prompt_tokens=31, cached_tokens=24, generated_tokens=4, preemptions=0,
+        prompt_ids=(), output_ids=(), ttft=None, tokens_per_s=None, error=None,
+    )  # fmt: skip
+    assert views.badge(info, why=why) == (
+        "**31** prompt tokens · **24** cached (77%), 16 of them loaded from the second tier · 6 new · 1 last token"
+    )

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from astrai.observation import CacheStats, PageEvicted, PageRecord, RequestInfo, StepSample
+from astrai.observation import CacheStats, PageEvicted, PageRecord, RequestInfo, StepSample, TierStats
 from astrai.playground.views import charts, tree
 from astrai.playground.views import pages as page_rules
 from astrai.playground.views import series as chart_series
@@ -296,3 +296,23 @@ def test_a_large_pool_s_page_map_keeps_cells_large_enough_to_see():
     grid = charts.page_grid(pages, lambda i: f"panel {i + 1}")
     assert grid.cols == charts.MAX_COLS and grid.rows == charts.MIN_ROWS
     assert grid.shown == f"pages 0–{charts.MAX_COLS * charts.MIN_ROWS - 1} of 2048; the rest are free"
+
+
+def tier(**changes) -> TierStats:
+    base = dict(
+        medium="file", write_policy="on_evict", capacity_pages=64, pages=12, hit_tokens=48, written_pages=20,
+        loaded_pages=3, evictions=1, bytes_written=2_000_000, bytes_loaded=300_000, write_seconds=0.01,
+        load_seconds=0.0004, enabled=True,
+    )  # fmt: skip
+    return TierStats(**(base | changes))  # type: ignore[arg-type]
+
+
+def test_the_stats_line_shows_the_second_tier_from_its_stats_when_the_engine_has_one():
+    line = views.stats_line(stats(hit_tokens=64, query_tokens=80, hit_rate=0.8, second_tier=tier()))
+    assert line.endswith(
+        "**Second tier** (file, written on eviction from the pool): **12** of 64 pages held · **48** of the reused "
+        "prompt tokens loaded from it · 3 pages loaded (0.3 MB) in 0.4 ms · 20 written (2.0 MB) · 1 evicted from it"
+    )
+    assert "Second tier" not in views.stats_line(stats()), "an engine without one says nothing of it"
+    off = views.stats_line(stats(second_tier=tier(enabled=False, error="disk full")))
+    assert off.endswith("**Second tier** (file): switched off after an error: disk full")

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from astrai.explain import Cause, Explanation
-from astrai.observation import CacheStats, Forward, RequestInfo
+from astrai.observation import CacheStats, Forward, RequestInfo, TierStats
 from astrai.playground.backends.protocol import EngineView
 from astrai.playground.views import causes
 
@@ -48,8 +48,12 @@ def badge(info: RequestInfo | None, caching: bool = True, why: Explanation | Non
     if not caching:
         parts.append("prefix caching off")
     elif info.cached_tokens is not None and info.prompt_tokens:
-        parts.append(f"**{info.cached_tokens}** cached ({100 * info.cached_tokens / info.prompt_tokens:.0f}%)")
-        if why is not None and (rest := causes.summary(why, skip=(Cause.CACHED,))):
+        cached = f"**{info.cached_tokens}** cached ({100 * info.cached_tokens / info.prompt_tokens:.0f}%)"
+        # the engine's cached count includes the tokens loaded from the second tier: said as a part of it, not beside
+        if loaded := (why.counts.get(Cause.LOADED, 0) if why is not None else 0):
+            cached += f", {loaded} of them {causes.CAUSES[Cause.LOADED][0]}"
+        parts.append(cached)
+        if why is not None and (rest := causes.summary(why, skip=(Cause.CACHED, Cause.LOADED))):
             parts.append(rest)
     if info.ttft is not None:
         parts.append(f"TTFT {info.ttft:.2f} s")
@@ -176,7 +180,31 @@ def stats_line(stats: CacheStats, derived: frozenset[str] = frozenset(), caveat:
     line = f"{now}  \n{reuse} · {_count(stats.evictions)} evictions · {_count(stats.preemptions)} preemptions"
     if stats.forward is not None:
         line += f" · forward: {FORWARDS[stats.forward]}"
+    if stats.second_tier is not None:
+        line += f"  \n{tier_line(stats.second_tier)}"
     return f"{line}  \n⚠️ {caveat}" if caveat else line
+
+
+def tier_line(tier: TierStats) -> str:
+    """The engine's second tier in words: where it lives, how full it is, what it served and what moving pages cost.
+    Its hit tokens are a part of the reuse the stats line counts (the pool's own hits are the rest)."""
+    if not tier.enabled:
+        return f"**Second tier** ({tier.medium}): switched off after an error: {tier.error or 'unknown'}"
+    return (
+        f"**Second tier** ({tier.medium}, written {WRITE_POLICIES.get(tier.write_policy, tier.write_policy)}): "
+        f"**{tier.pages}** of {tier.capacity_pages} pages held · **{tier.hit_tokens}** of the reused prompt tokens "
+        f"loaded from it · {tier.loaded_pages} pages loaded ({_megabytes(tier.bytes_loaded)}) in "
+        f"{1000 * tier.load_seconds:.1f} ms · {tier.written_pages} written ({_megabytes(tier.bytes_written)}) · "
+        f"{tier.evictions} evicted from it"
+    )
+
+
+# the tier's write policies (``TierStats.write_policy``), in words
+WRITE_POLICIES = {"through": "through: every page the pool stores", "on_evict": "on eviction from the pool"}
+
+
+def _megabytes(n_bytes: int) -> str:
+    return f"{n_bytes / 1e6:.1f} MB"
 
 
 # which forward serves, in words (``CacheStats.forward``; a backend without one, vLLM, says nothing)
