@@ -496,6 +496,7 @@ class Tenant:
             admitted=tuple(self.scheduler.take_admitted()),
             sampled=tuple(appended),
             page_changes=tuple(self._page_records(self.pool.take_touched())),
+            tier_pages=None if self.cache.tier is None else self.cache.tier.held_pages,
         )
         with self._observed_lock:
             self._history.append(sample_)

@@ -271,6 +271,7 @@ class StepSample:
     # (request, prompt tokens, prompt tokens served by the cache) of each first admission the step counted in
     # ``hit_tokens`` / ``query_tokens`` (a vLLM server's: when the usage of a request says so)
     admitted: tuple[tuple[int, int, int], ...] = ()
+    tier_pages: int | None = None  # pages the second tier holds at the step's end; None: no second tier
 
 
 @dataclass(frozen=True, slots=True)

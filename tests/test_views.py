@@ -112,7 +112,9 @@ def stats(**changes) -> CacheStats:
     return CacheStats(**(zero | base | changes))
 
 
-def sample(step: int, t: float, hits: int = 0, queries: int = 0, evictions: int = 0) -> StepSample:
+def sample(
+    step: int, t: float, hits: int = 0, queries: int = 0, evictions: int = 0, tier_pages: int | None = None
+) -> StepSample:
     return StepSample(
         step=step,
         time=t,
@@ -129,6 +131,7 @@ def sample(step: int, t: float, hits: int = 0, queries: int = 0, evictions: int 
         requests=(1,),
         sampled=(),
         page_changes=(),
+        tier_pages=tier_pages,
     )
 
 
@@ -316,3 +319,13 @@ def test_the_stats_line_shows_the_second_tier_from_its_stats_when_the_engine_has
     assert "Second tier" not in views.stats_line(stats()), "an engine without one says nothing of it"
     off = views.stats_line(stats(second_tier=tier(enabled=False, error="disk full")))
     assert off.endswith("**Second tier** (file): switched off after an error: disk full")
+
+
+def test_occupancy_draws_the_second_tiers_pages_on_an_axis_of_its_own_when_the_engine_has_one():
+    history = [sample(1, 100.0, tier_pages=0), sample(2, 100.5, tier_pages=5), sample(3, 101.0, tier_pages=9)]
+    data = chart_series.series(history, stats(second_tier=tier(pages=12)), now=102.0)
+    assert data.tier == [0, 5, 9, 12], "each step's pages held, then now's"
+    drawn = [t for t in charts.occupancy_chart(data).data if t.name == charts.TIER_LINE]
+    assert len(drawn) == 1 and list(drawn[0].y) == [0, 5, 9, 12] and drawn[0].yaxis == "y2"
+    without = chart_series.series(history, stats(), now=102.0)
+    assert without.tier is None and all(t.name != charts.TIER_LINE for t in charts.occupancy_chart(without).data)

@@ -25,6 +25,8 @@ EVICTED_COLOR = "#ef4444"
 GRID = dict(gridcolor="#e5e7eb", zerolinecolor="#d1d5db")
 PLAIN = dict(paper_bgcolor="white", plot_bgcolor="white", font=dict(color="#374151"))
 STATE_COLORS = {"in use": "#f59e0b", "cached (evictable)": "#60a5fa"}
+TIER_LINE = "second tier: pages held (right axis)"
+TIER_COLOR = "#84cc16"  # the lime of the tokens loaded from it (views/causes.py), darker to read as a line
 
 
 def _layout(fig: go.Figure, title: str, y_title: str, data: Series, height: int = 230) -> go.Figure:
@@ -47,8 +49,9 @@ def _layout(fig: go.Figure, title: str, y_title: str, data: Series, height: int 
 
 def occupancy_chart(data: Series) -> go.Figure:
     """Pages in use and cached, stacked; the y axis zooms to the busy range (the free rest is said in the title),
-    so a few dozen pages stay visible in a pool of thousands."""
-    fig = go.Figure()
+    so a few dozen pages stay visible in a pool of thousands. An engine's second tier, its pages held, is a line on
+    an axis of its own: a tier is many times the pool, and on the pool's axis it would flatten it."""
+    fig = go.Figure() if data.tier is None else make_subplots(specs=[[{"secondary_y": True}]])
     for name, values in (("in use", data.used), ("cached (evictable)", data.cached)):
         fig.add_trace(
             go.Scatter(
@@ -62,7 +65,13 @@ def occupancy_chart(data: Series) -> go.Figure:
         )
     pool = (data.used[-1] or 0) + (data.cached[-1] or 0) + (data.free[-1] or 0) if data.used else 0
     busiest = max(((u or 0) + (c or 0) for u, c in zip(data.used, data.cached, strict=True)), default=0)
-    fig.update_yaxes(range=[0, max(8, busiest * 1.15)])
+    if data.tier is not None:
+        tier = go.Scatter(
+            x=data.ages, y=data.tier, name=TIER_LINE, mode="lines", line=dict(color=TIER_COLOR, width=2, shape="hv")
+        )
+        fig.add_trace(tier, secondary_y=True)
+        fig.update_yaxes(rangemode="tozero", showgrid=False, secondary_y=True)
+    fig.update_yaxes(range=[0, max(8, busiest * 1.15)], selector=dict(overlaying=None))  # the pool's axis alone
     if data.used and data.used[-1] is None:
         title = "Pages in use: n/a (the server does not report its pool's usage)"
     elif data.used and data.cached[-1] is None:

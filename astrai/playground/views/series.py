@@ -27,6 +27,7 @@ class Series:
     prefix_caching: bool = True  # off: nothing is looked up, so there is no hit rate to draw (not 0%)
     hit_rate_scope: str = "since the engine started"  # whose prompts the hit-rate line counts
     eviction: str | None = None  # the pool's eviction policy (None: not reported): what the LRU chart is called
+    tier: list[int | None] | None = None  # pages the second tier holds, per point; None: the engine has none
 
 
 def series(history: Sequence[StepSample], stats: CacheStats, now: float, window_s: float = 120.0) -> Series:
@@ -61,7 +62,8 @@ def series(history: Sequence[StepSample], stats: CacheStats, now: float, window_
     free = [s.free_pages for s in samples] + [stats.free_pages]
     evictions.append(total)
     hit_rate.append(stats.hit_rate if stats.query_tokens else None)
-    keep = _points_to_draw(x, list(zip(used, cached, free, evictions, hit_rate, strict=True)))
+    tier = None if stats.second_tier is None else [s.tier_pages for s in samples] + [stats.second_tier.pages]
+    keep = _points_to_draw(x, list(zip(used, cached, free, evictions, hit_rate, tier or [None] * len(x), strict=True)))
     return Series(
         x_title="seconds ago",
         ages=[x[i] for i in keep],
@@ -74,6 +76,7 @@ def series(history: Sequence[StepSample], stats: CacheStats, now: float, window_
         step_hit_rate=[s.hit_tokens / s.query_tokens for s in admitted],
         prefix_caching=stats.prefix_caching,
         eviction=stats.eviction,
+        tier=None if tier is None else [tier[i] for i in keep],
     )
 
 
