@@ -41,7 +41,7 @@ class Wired:
             LiveCallbacks(self.ctx, self.runs).wire(demo)
         timer = self.ui.cache.timer._id
         (self.tick,) = [f.fn for f in demo.fns.values() if any(t[0] == timer for t in f.targets)]
-        self.pg = Playground(self.ctx, self.runs, None, None, None, None)  # type: ignore[arg-type]
+        self.pg = Playground(self.ctx, self.runs, None, None, None, None, None)  # type: ignore[arg-type]
 
     async def call(self, cursor: Any, session: str) -> dict:
         if inspect.iscoroutinefunction(self.tick):

@@ -113,7 +113,7 @@ def test_without_a_key_there_is_no_teacher_view_at_all(engines):
 
 def test_the_teacher_view_adds_no_loading_status(engines):
     """Its events show no progress (``QUIET``): each component an event shows progress on costs every visitor's
-    page a refresh at every streamed message (tests/test_app.py keeps them to four)."""
+    page a refresh at every streamed message (tests/test_app.py keeps them to five)."""
     config = build_demo(engines, teacher_key=KEY).get_config_file()
     elem = {c["id"]: c["props"].get("elem_id") for c in config["components"]}
     targets = set()
@@ -121,7 +121,7 @@ def test_the_teacher_view_adds_no_loading_status(engines):
         if dependency["targets"]:
             shown = dependency["show_progress_on"]
             targets |= set(dependency["outputs"] if shown is None else shown)
-    assert {elem[t] for t in targets} == {"out_0", "scenario_note", "engine_status", "sizing_note"}
+    assert {elem[t] for t in targets} == {"out_0", "scenario_note", "engine_status", "sizing_note", "ladder_note"}
 
 
 def test_a_short_key_stops_the_app_and_is_never_echoed(monkeypatch):

@@ -317,6 +317,7 @@ def test_the_tier_is_observed_and_explained(model, tokenizer):
         assert (
             tier.pages == before.second_tier.pages - len(loaded) + tier.written_pages - before.second_tier.written_pages
         )
+        assert engine.history()[-1].tier_pages == tier.pages  # the occupancy chart's tier line
         (why,) = engine.explain([request])
         assert why.counts[Cause.LOADED] == served
         assert (
