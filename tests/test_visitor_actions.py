@@ -164,6 +164,7 @@ def pg():
     with pytest.MonkeyPatch.context() as patch:
         for name, value in (
             ("KEEP_VISITORS", KEEP_VISITORS),
+            ("KEEP_POLLING", KEEP_VISITORS),
             ("KEEP_RECORDINGS", KEEP_RECORDINGS),
             ("KEEP_OWNERS", KEEP_OWNERS),
             ("COUNT_EVERY_S", 0.0),  # visitors on an engine are counted at each look: no clock in the outcome
@@ -681,7 +682,7 @@ class VisitorActions(RuleBasedStateMachine):
     def memory_is_bounded(self):
         visitors = self.pg.ctx.visitors
         assert len(visitors._visitors) <= state.KEEP_VISITORS
-        assert len(visitors._polling) <= state.KEEP_VISITORS
+        assert len(visitors._polling) <= state.KEEP_POLLING
         assert len(visitors._owners) <= state.KEEP_OWNERS
         recordings = [v.recording for v in visitors._visitors.values() if v.recording is not None]
         assert len(recordings) <= state.KEEP_RECORDINGS

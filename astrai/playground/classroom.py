@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from astrai.playground.state import KEEP_VISITORS, SEEN_WITHIN_S
+from astrai.playground.state import KEEP_POLLING, SEEN_WITHIN_S
 
 CALL_STANDS_S = 45 * 60.0  # a class period: a page opened later than that is not called to an old step
 KEEP_TEACHERS = 16  # teachers' sessions remembered (a teacher may open the view on two machines)
@@ -76,7 +76,7 @@ class _Page:
 
 class Classroom:
     """Thread-safe: callbacks of many sessions read and write it at once (one lock, held for dict operations only).
-    Bounded: at most ``KEEP_VISITORS`` pages (the least recently placed or seen forgotten first) and
+    Bounded: at most ``KEEP_POLLING`` pages (the least recently placed or seen forgotten first) and
     ``KEEP_TEACHERS`` teachers."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
@@ -108,7 +108,7 @@ class Classroom:
             page = self._pages.pop(session, None) or _Page(step, self._clock())
             page.step, page.seen_at = step, self._clock()
             self._pages[session] = page
-            while len(self._pages) > KEEP_VISITORS:
+            while len(self._pages) > KEEP_POLLING:
                 self._pages.popitem(last=False)
 
     def step_of(self, session: str) -> int | None:

@@ -5,7 +5,8 @@ each field replaced whole, so a run in progress and the chart timer agree on it.
 tables (visitors, request owners), never a visitor's fields.
 
 Memory is bounded two ways, and polling never counts as activity:
-- at most ``KEEP_VISITORS`` visitors (a small record each), the least recently *active* forgotten first;
+- at most ``KEEP_VISITORS`` visitors (``knobs.SESSIONS``, as many as Gradio keeps sessions of), the least recently
+  *active* forgotten first, and ``KEEP_POLLING`` tabs that only poll (a time each);
 - at most ``KEEP_RECORDINGS`` replays (a run's recorded steps: the heavy part), kept by the same order.
 The 1 Hz chart refresh of an open tab only marks it as seen (for "visitors on this engine"): it neither creates
 a visitor nor moves one up the order, so hundreds of idle tabs cannot push an active visitor's replay out.
@@ -30,6 +31,7 @@ from astrai.playground.views.text import RunSummary
 
 KEEP_OWNERS = 4096  # requests remembered; the oldest are forgotten first (their pages show as another session's)
 KEEP_VISITORS = knobs.SESSIONS  # as many as Gradio keeps sessions of (app.py's launch)
+KEEP_POLLING = 4096  # open tabs counted on an engine: a session and a time each
 KEEP_RECORDINGS = 128
 SEEN_WITHIN_S = 10.0  # a tab polled within this long counts as a visitor on its engine
 COUNT_EVERY_S = 1.0
@@ -122,7 +124,7 @@ class Visitors:
             if visitor is None:
                 self._polling.pop(session, None)
                 self._polling[session] = now
-                while len(self._polling) > KEEP_VISITORS:
+                while len(self._polling) > KEEP_POLLING:
                     self._polling.popitem(last=False)
                 return Visitor(self._default)
         visitor.seen_at = now
