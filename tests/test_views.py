@@ -329,3 +329,27 @@ def test_occupancy_draws_the_second_tiers_pages_on_an_axis_of_its_own_when_the_e
     assert len(drawn) == 1 and list(drawn[0].y) == [0, 5, 9, 12] and drawn[0].yaxis == "y2"
     without = chart_series.series(history, stats(), now=102.0)
     assert without.tier is None and all(t.name != charts.TIER_LINE for t in charts.occupancy_chart(without).data)
+
+
+def test_plotlys_classes_are_imported_before_serving():
+    """A fresh process: after ``import_plotly_classes`` (build_demo calls it), a figure with a titled layout, axes,
+    bars and an icicle imports no more plotly module, so no visitor's thread races another to import one (CI: one
+    of 30 students got ``No module named 'plotly.graph_objs.layout._title'``)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from astrai.playground.views import charts\n"
+        "import plotly.graph_objects as go\n"
+        "charts.import_plotly_classes()\n"
+        "before = {m for m in sys.modules if m.startswith('plotly')}\n"
+        "go.Figure([go.Bar(x=[1], y=[2], marker=dict(color='red')), go.Scatter(x=[1], y=[1], line=dict(width=1))],\n"
+        "          layout=dict(title=dict(text='t'), xaxis=dict(title=dict(text='x')), legend=dict(x=0),\n"
+        "                      margin=dict(l=0), annotations=[dict(text='a')], shapes=[dict(type='line')]))\n"
+        "go.Figure(go.Icicle(labels=['a'], parents=[''], marker=dict(colors=['red'])))\n"
+        "go.Figure(go.Heatmap(z=[[1]], colorscale='Blues'))\n"
+        "print(sorted({m for m in sys.modules if m.startswith('plotly')} - before))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -20,6 +20,7 @@ from astrai.playground.scenarios import Lesson
 from astrai.playground.state import Visitors
 from astrai.playground.ui.layout import PAGE_CSS, build_layout
 from astrai.playground.ui.teacher import build_banner, build_teacher_views
+from astrai.playground.views import charts
 
 
 def launch_options() -> dict[str, object]:
@@ -32,6 +33,7 @@ def launch_options() -> dict[str, object]:
 def build_demo(engines: Engines, teacher_key: str | None = knobs.TEACHER_KEY) -> gr.Blocks:
     """The page; with ``teacher_key`` (the operator's ``ASTRAI_TEACHER_KEY``), a teacher's view at its top that
     the key opens, and the banner that moves the class. Without one, neither exists."""
+    charts.import_plotly_classes()  # before any visitor's thread builds a figure
     with gr.Blocks(title="AstrAI playground: see the KV cache", analytics_enabled=False) as demo:
         choices = list(engines.model_choices())
         default = engines.backend(engines.default)
