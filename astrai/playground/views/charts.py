@@ -354,7 +354,8 @@ def import_plotly_classes() -> None:
 
     plotly imports a property's class on its first use, and two threads that do so at once can fail: in CI, the
     first lesson step a class of 30 loaded in the same second gave one student ``ModuleNotFoundError: No module named
-    'plotly.graph_objs.layout._title'``. app.py calls it before any thread starts, and build_demo again (a no-op by then) for other callers."""
+    'plotly.graph_objs.layout._title'``. app.py calls it before any thread starts; build_demo again, for other
+    callers (a no-op by then)."""
     for name in PLOTLY_PACKAGES:
         package = importlib.import_module(f"plotly.graph_objs.{name}")
         for module in pkgutil.walk_packages(package.__path__, f"{package.__name__}."):
