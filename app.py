@@ -32,7 +32,6 @@ import threading
 
 from astrai.playground import create_app
 from astrai.playground.backends.heap import limit_arenas
-from astrai.playground.views.charts import import_plotly_classes
 
 
 def _env_list(name: str) -> list[str]:
@@ -134,7 +133,8 @@ def build_kernels_while(module: str) -> None:
 ARGS = parse_args()
 check_knobs()
 limit_arenas()  # before the server's threads: each would otherwise hold free memory of an arena of its own
-import_plotly_classes()  # before any thread: plotly's lazy imports race each other (views/charts.py)
+# before any thread (plotly's lazy imports race each other), after the knobs (the views' modules read them)
+importlib.import_module("astrai.playground.views.charts").import_plotly_classes()
 engines = make_engines(ARGS)
 if engines is None:  # the embedded engine: its page answers within seconds of the process's start
     build_kernels_while("gradio")
