@@ -168,9 +168,9 @@ def test_a_shipped_trace_is_computed_once_and_its_exports_are_self_contained(pg)
 
 def test_the_lessons_end_points_at_the_ladder_of_the_visitors_engine(pg):
     """The end's text: 'your engine since it started' gives a ladder from every prompt token down to what the
-    engine served from its cache ('delivered'), each gap split into causes. After step 9 (the visitor's own pool),
-    on the end page, that ladder's top rung is the step's prompt tokens and its last the step's cached tokens, as the
-    request table counted them."""
+    engine served from its cache ('delivered'), each gap split into causes. After the last step (the visitor's own
+    pool), on the end page, that ladder's top rung is the step's prompt tokens and its last the step's cached tokens,
+    as the request table counted them."""
     session, ui, end = "ladder-end", pg.ctx.ui, pg.ctx.lesson.end
     assert ui.ladder.compute.value in end.text and view.ENGINE in end.text and "'delivered'" in end.text
     step = len(pg.ctx.lesson.steps) - 1

@@ -13,7 +13,7 @@ import pytest
 from astrai.observation import PageEvicted
 from astrai.playground import promises
 from astrai.playground.promises import Panel, Seen
-from astrai.playground.scenarios import LESSON, POLICY, SCENARIO_BY_NAME
+from astrai.playground.scenarios import LESSON, POLICY, SCENARIO_BY_NAME, SECOND_TIER
 from astrai.playground.views import charts, replay, sizing
 from astrai.playground.views.text import TABLE_COLUMNS
 from astrai.sampling import SamplingParams
@@ -291,6 +291,23 @@ def test_step_3_on_a_visitors_own_pool_shows_eviction_costing_hits(pg):
     assert promises.check(LESSON[index], seen) == []
     badges = [pg.runs.after_run(request(session))[b] for b in pg.ctx.ui.panels.badges[: len(EVICTION.prompts)]]
     assert any(re.search(r"\*\*\d+\*\* cached .* · \d+ evicted at step \d+", b) for b in badges), badges
+
+
+def test_the_second_tier_step_loads_each_story_back_as_its_text_says(pg):
+    """Issue 45: on the shared engine with a second tier in memory, the second run's badges say every story's full
+    pages were loaded from the tier, and the stats line's 'Second tier' counts those loads (from its stats)."""
+    session, index = "tiered", next(i for i, s in enumerate(LESSON) if s.scenario == SECOND_TIER.name)
+    fields, backend = lesson_step(pg, session, index)
+    assert backend is not None and backend.stats().second_tier is not None
+    assert not pg.ctx.visitors.peek(session).profile.owner, "a tenant's pool has no tier: the class shares it"
+    runs = []
+    for _ in range(2):
+        run_to_the_end(pg, session, fields)
+        runs.append(seen_run(pg, pg.runs.after_run(request(session)), len(SECOND_TIER.prompts)))
+    assert promises.check(LESSON[index], Seen(16, tuple(runs))) == []
+    tier = backend.stats().second_tier
+    line = pg.live.refresh(None, request(session))[pg.ctx.ui.cache.stats]
+    assert f"**{tier.hit_tokens}** of the reused prompt tokens loaded from it" in line and tier.loaded_pages, line
 
 
 def test_step_8_shows_lru_and_arc_side_by_side_on_the_visitors_own_requests(pg):

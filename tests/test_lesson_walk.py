@@ -194,8 +194,8 @@ def _walk(stop: Stop, a: Visitor, b: Visitor, default_engine: Any, a_does_all: b
     client = default_engine if profile == DEFAULT_PROFILE else None
     n = len(stop.scenario.prompts)
     _arrive(a, stop)
-    # a step on one's own pool empties it on arrival: wait for the view to show it (steps 8 and 9 share a pool, so the
-    # stats line before the arrival already names it)
+    # a step on one's own pool empties it on arrival: wait for the view to show it (adjacent steps may share a pool,
+    # so the stats line before the arrival already names it)
     before = _settle(a, client, stop, _emptied if own else lambda stats: [])
     before = _clear(a, b, before, client, stop)
     _set_max_tokens(a, stop.max_tokens)

@@ -50,15 +50,15 @@ def test_a_full_queue_answers_busy_at_once_instead_of_hanging():
 
 
 def test_a_class_in_lockstep_reads_each_steps_promise_off_its_own_badges():
-    """Three students through lesson steps 1, 8 and 9 in lockstep: each press streams, and each student's badges,
+    """Three students through lesson steps 1, 8 and 10 in lockstep: each press streams, and each student's badges,
     request table and Replay my requests' table are read against the step's promise (step 1: panels 2-4 hit the
     prefix; step 8: the LRU pool evicts the system prompt, and the replay has ARC serve it twice to LRU's once;
-    step 9: each panel's cause counts, exactly), with the report's figures per step and the app's memory after."""
+    step 10: each panel's cause counts, exactly), with the report's figures per step and the app's memory after."""
     ARTIFACTS.mkdir(exist_ok=True)
-    steps = [0, 7, 8]
+    steps = [0, 7, 9]
     with start_app(log_path=ARTIFACTS / "lockstep-app.log") as app:
         report = run_lockstep(app.url, clients=3, steps=steps, app_pid=app.pid)  # timeouts: a busy machine is slow
-    presses = [(1, 0, ("run",)), (8, 0, ("run", "replay_mine")), (9, 0, ("run",))]
+    presses = [(1, 0, ("run",)), (8, 0, ("run", "replay_mine")), (10, 0, ("run",))]
     assert [(s.step, s.round, s.presses) for s in report.steps] == presses
     for index, step in zip(steps, report.steps, strict=True):
         summary = step.summary()

@@ -19,6 +19,8 @@ from astrai.playground.scenarios import (
     LESSON,
     POLICY,
     SCENARIO_BY_NAME,
+    SECOND_TIER,
+    SECOND_TIER_PAGES,
     SYSTEM_PROMPT_PAGES,
 )
 
@@ -92,6 +94,16 @@ def test_the_eviction_prompts_share_an_opening_of_whole_pages_then_fill_pages_of
     assert all(len(i) > opening + 2 * size for i in ids), [len(i) for i in ids]
 
 
+def test_each_second_tier_story_fills_its_pages_and_a_token_more_and_a_pool_holds_one_request(engine):
+    """The step's figures: every story has ``SECOND_TIER_PAGES`` full pages before its last token (all of them can
+    be served), and a story with its answer takes more than half the pool, so each request evicts the one before."""
+    settings = SECOND_TIER.profile.settings
+    size = settings.page_size
+    lengths = [len(engine.tokenizer(p).input_ids) for p in SECOND_TIER.prompts]
+    assert all(SECOND_TIER_PAGES * size < n <= (SECOND_TIER_PAGES + 1) * size for n in lengths), lengths
+    assert settings.n_pages < 2 * (SECOND_TIER_PAGES + 1) and settings.max_batch_size == 1
+
+
 def test_eviction_costs_hits_in_the_second_run():
     """Step 3 on its pool's settings: the first run evicts and preempts; in the second every panel hits the opening
     and some panel misses pages of its own that were evicted (the table's "evicted" column)."""
@@ -158,18 +170,18 @@ def test_caching_off_computes_every_prompt_token_and_on_computes_fewer(engine):
 
 
 def test_every_lesson_step_loads_a_scenario_and_names_a_view():
-    assert len(LESSON) == 9 and all(step.scenario in SCENARIO_BY_NAME for step in LESSON)
+    assert len(LESSON) == 10 and all(step.scenario in SCENARIO_BY_NAME for step in LESSON)
     ui = (Path(__file__).parents[1] / "astrai" / "playground" / "ui" / "layout.py").read_text()
     assert all(f'elem_id="{step.look_at}"' in ui for step in LESSON)
 
 
 def test_why_did_it_miss_shows_what_its_lesson_step_says():
-    """Lesson step 9's text, cause by cause, on the scenario's own engine settings and a cold namespace: the counts
+    """Lesson step 10's text, cause by cause, on the scenario's own engine settings and a cold namespace: the counts
     (``promises.why_did_it_miss``, what a visitor's table shows), then the order and the hover texts they cannot."""
     from astrai.explain import Cause
     from astrai.playground.scenarios import WHY
 
-    assert LESSON[8].scenario == WHY.name
+    assert LESSON[9].scenario == WHY.name
     s = WHY.profile.settings
     with InferenceEngine.from_pretrained(
         EMBEDDED_MODEL, page_size=s.page_size, n_pages=s.n_pages, max_batch_size=s.max_batch_size, compile=False
@@ -179,7 +191,7 @@ def test_why_did_it_miss_shows_what_its_lesson_step_says():
         whys = engine.explain(stream.request_ids)
         infos = engine.request_info(stream.request_ids)
     seen = tuple(Panel(i.prompt_tokens, i.cached_tokens, w.counts) for i, w in zip(infos, whys, strict=True))
-    assert promise_of(9, seen, page_size=s.page_size) == []
+    assert promise_of(10, seen, page_size=s.page_size) == []
     size = s.page_size
     first, second, third, fourth = ([(seg.cause, seg.start, seg.end) for seg in w.segments] for w in whys)
     assert second[0] == (Cause.DIVERGED, 0, size) and whys[1].segments[0].divergence.at == 1, second  # after <s>

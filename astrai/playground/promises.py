@@ -14,7 +14,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from astrai.explain import Cause
-from astrai.playground.scenarios import EVICTION_OPENING_PAGES, LESSON, POLICY, SYSTEM_PROMPT_PAGES, LessonStep
+from astrai.playground.scenarios import (
+    EVICTION_OPENING_PAGES,
+    LESSON,
+    POLICY,
+    SECOND_TIER,
+    SECOND_TIER_PAGES,
+    SYSTEM_PROMPT_PAGES,
+    LessonStep,
+)
 
 # Step 1's text: panels 2-4 "show 32 or more cached tokens in the very first run" (two of the prefix's full pages).
 SHARED_PREFIX_MIN_HIT = 32
@@ -151,8 +159,24 @@ def arc_keeps_what_lru_evicts(seen: Seen) -> list[str]:
     return broken
 
 
+def second_tier_loads(seen: Seen) -> list[str]:
+    """Step 9: in the second run, every panel's badge says its story's full pages cached, all of them loaded from
+    the second tier (none from the pool, none computed)."""
+    if len(seen.runs) < 2:
+        raise ValueError("step 9's check needs both runs")
+    second, loaded = seen.runs[1], SECOND_TIER_PAGES * seen.page_size
+    if len(second) != len(SECOND_TIER.prompts):
+        return [f"{len(second)} panels, the step has {len(SECOND_TIER.prompts)}"]
+    return [
+        f"panel {i}: {p.cached_tokens} cached, {p.causes.get(Cause.LOADED, 0)} loaded from the second tier, "
+        f"the text promises {loaded} and {loaded}"
+        for i, p in enumerate(second, start=1)
+        if p.cached_tokens != loaded or p.causes.get(Cause.LOADED, 0) != loaded
+    ]
+
+
 def why_did_it_miss(seen: Seen) -> list[str]:
-    """Step 9, cause counts exact, panel by panel. A prompt's last token is always computed, and the tokens after
+    """Step 10, cause counts exact, panel by panel. A prompt's last token is always computed, and the tokens after
     its last full page are a partial page; of the rest (its ``looked`` tokens, in pages): panel 1 all new; panel 2's
     first page diverged, the rest new; panel 3 whole pages cached, then the one page after them evicted, the rest
     new; panel 4 one page cached, the next diverged, the rest new."""
@@ -203,6 +227,7 @@ PROMISES: dict[str, Check | None] = dict(
             caching_saves_prefill,
             None,
             arc_keeps_what_lru_evicts,
+            second_tier_loads,
             why_did_it_miss,
         ),
         strict=True,

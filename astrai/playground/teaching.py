@@ -24,6 +24,8 @@ QUESTIONS: dict[str, str] = {
     "Belady's MIN?",
     "LRU or ARC: which page goes?": "Three one-off stories pass through a 9-page pool between two uses of a system "
     "prompt. Why does ARC keep it where LRU lets it go?",
+    "A second tier: when is loading faster than recomputing?": "Loading a page back took a fraction of a "
+    "millisecond here. With what kind of model and tier would computing it again be faster?",
     "Why did it miss?": "Panel 3 asks for panel 1's story again. Why is one of its pages computed anyway, and what "
     "evicted it?",
     "Routing decides what is reused": "Why does the prefix-aware router compute fewer prefill tokens than round "

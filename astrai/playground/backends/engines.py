@@ -269,9 +269,9 @@ class LocalEngines:
             )
 
     def _kv_bytes(self, profile: Profile) -> int:
-        """What the profile's KV pool takes, from its model's config: the loaded model's, else the config read once
-        and kept (a hub model's may come over the network). Never called under ``_lock``: every visitor's 1 Hz poll
-        takes it, and a fetch of 3 s held it for as long."""
+        """What the profile's KV pool and second tier take (a tier's pages are host memory too), from its model's
+        config: the loaded model's, else the config read once and kept (a hub model's may come over the network).
+        Never called under ``_lock``: every visitor's 1 Hz poll takes it, and a fetch of 3 s held it for as long."""
         settings = profile.settings
         if profile.owner is not None:
             return 0  # its pages are the default engine's reserve, counted with that engine
@@ -289,7 +289,7 @@ class LocalEngines:
                 self._configs[profile.model] = config
         per_token = kv_bytes_per_token(config, SUPPORTED_DTYPES[settings.dtype])
         reserve = self._tenant_pages if profile == self._default else 0
-        return (settings.n_pages + reserve) * settings.page_size * per_token
+        return (settings.n_pages + reserve + settings.offload_pages) * settings.page_size * per_token
 
     def _build(self, slot: _Slot, progress: Progress | None) -> None:
         profile, settings = slot.profile, slot.profile.settings
@@ -310,6 +310,9 @@ class LocalEngines:
                 prefix_caching=settings.prefix_caching,
                 dtype=settings.dtype,
                 eviction=settings.eviction,
+                offload_pages=settings.offload_pages,
+                offload_to="memory",
+                offload_policy="on_evict",
                 tenant_pages=self._tenant_pages if profile == self._default else 0,
                 compile=self._compile,
                 background_compile=precompile.in_child(self._choices[profile.model], settings.dtype),

@@ -55,6 +55,10 @@ class EngineSettings:
     prefix_caching: bool = True
     dtype: str = "float32"
     eviction: str = "lru"  # which cached page a full pool gives up first: astrai.eviction.POLICIES
+    # a second tier of this many pages in host memory, written when the pool evicts a page (``InferenceEngine``'s
+    # ``offload_pages``, ``offload_to="memory"``, ``offload_policy="on_evict"``); 0: none. Lesson profiles set it,
+    # the Engine settings panel does not offer it; an engine of its own only (a tenant's pool has no tier)
+    offload_pages: int = 0
 
     def validate(self) -> None:
         if self.page_size not in PAGE_SIZES:
@@ -67,13 +71,16 @@ class EngineSettings:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}")
         if self.eviction not in POLICIES:
             raise ValueError(f"eviction must be one of {', '.join(POLICIES)}")
+        if self.offload_pages < 0 or (self.offload_pages and not self.prefix_caching):
+            raise ValueError("a second tier needs prefix caching, and a number of pages >= 0")
 
     def describe(self) -> str:
         """In words, for the stats line and the engine status."""
         caching = "" if self.prefix_caching else ", prefix caching off"
         eviction = "" if self.eviction == "lru" else f", {self.eviction.upper()} eviction"
         pool = f"{self.n_pages} pages × {self.page_size} tokens, batch {self.max_batch_size}, {self.dtype}"
-        return pool + caching + eviction
+        tier = f", a second tier of {self.offload_pages} pages in memory" if self.offload_pages else ""
+        return pool + caching + eviction + tier
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,7 @@ class Profile:
         s = self.settings
         caching = "cache" if s.prefix_caching else "nocache"
         key = f"{self.model}|p{s.page_size}|n{s.n_pages}|b{s.max_batch_size}|{caching}|{s.dtype}|{s.eviction}"
+        key += f"|tier{s.offload_pages}" if s.offload_pages else ""
         return key if self.owner is None else f"{key}|own:{self.owner}"
 
     def own(self, session: str) -> Profile:
@@ -133,10 +141,18 @@ ONE_AT_A_TIME_PROFILE = Profile(
     settings=EngineSettings(page_size=16, n_pages=9, max_batch_size=1), name="one at a time, 9 pages", per_visitor=True
 )
 
+# "A second tier": one request at a time in 8 pages, a prompt of 4 full pages, and a tier in memory that keeps what
+# the pool evicts. A shared engine, not a pool of each visitor's own: a tenant's pool has no second tier (astrai.tier
+# serves the engine's own pool). 1,024 pages (48 MB of float32 KV on the embedded model) keep a class's pages.
+SECOND_TIER_PROFILE = Profile(
+    settings=EngineSettings(page_size=16, n_pages=8, max_batch_size=1, offload_pages=1024),
+    name="8 pages and a second tier",
+)
+
 
 def without_caching(profile: Profile) -> Profile:
     """The same engine with prefix caching off: where Compare runs its second half. A pool of its own, so the
     comparison's pages never take the place of anyone's cached pages, and its lookups never lower the hit rate of the
     engine that visitors share."""
-    settings = dataclasses.replace(profile.settings, prefix_caching=False)
+    settings = dataclasses.replace(profile.settings, prefix_caching=False, offload_pages=0)  # nothing looked up
     return dataclasses.replace(profile, settings=settings, name=f"{profile.name}, caching off")
