@@ -79,6 +79,26 @@ Delivery = tuple[queue.SimpleQueue, tuple[int, str, Any]]
 Counters = tuple[int, int, int, int]  # evictions, preemptions, hit tokens, query tokens: a step records their deltas
 
 
+def _check_tier_options(
+    offload_pages: int,
+    offload_to: str | os.PathLike[str],
+    offload_policy: str,
+    prefix_caching: bool,
+    device: torch.device,
+) -> None:
+    """Raise ``ValueError`` where a second tier's options (``InferenceEngine``'s, ``add_tenant``'s) cannot work."""
+    if isinstance(offload_pages, bool) or not isinstance(offload_pages, int) or offload_pages < 0:
+        raise ValueError(f"offload_pages must be an integer >= 0 (0: no second tier), got {offload_pages!r}")
+    if not offload_pages:
+        return
+    if offload_policy not in WRITE_POLICIES:
+        raise ValueError(f"offload_policy must be one of {list(WRITE_POLICIES)}, got {offload_policy!r}")
+    if not prefix_caching:
+        raise ValueError("a second tier (offload_pages) needs prefix_caching: with it off nothing is looked up")
+    if offload_to != "memory" and device.type != "cpu":
+        raise ValueError('a file tier reads into host memory: with the KV on a GPU, use offload_to="memory"')
+
+
 class Tenant:
     """One pool served by an engine: its page quota, prefix index, eviction order, scheduler and observation.
 
@@ -264,8 +284,17 @@ class Tenant:
             outbox = self._fail([*self.scheduler.running, *self.scheduler.waiting], closing)
             engine._tenants.remove(self)
             engine._reserve.release(self.page_offset, self.pool.n_pages)
+            if self.cache.tier is not None:
+                self.cache.tier.close()  # no step touches it from now on; its file, if any, is deleted
             engine._work_arrived.notify_all()
         _deliver(outbox)
+
+    def _attach_tier(self, store: TierStore, write_policy: str) -> None:
+        """Give this pool a second tier over ``store``, bound to the pool's own rows of the engine's KV (its pages
+        ``page_offset``..: row slices of each plane, contiguous, so a tier's page ``p`` is the pool's page ``p``)."""
+        first, end = self.page_offset, self.page_offset + self.pool.n_pages
+        planes = [plane[first:end] for plane in self._engine.runner.kv_planes()]
+        self.cache.attach_tier(SecondTier(store, planes, write_policy, emit=self._emit))
 
     # ----- the observation API ----------------------------------------------------------------------------
     def cache_stats(self) -> CacheStats:
@@ -584,10 +613,10 @@ class InferenceEngine(Tenant):
     KV: a load is real I/O). ``offload_policy``: ``"through"`` writes every page the pool stores, ``"on_evict"``
     writes a page as the pool evicts it and drops it once loaded back; the tier evicts its own pages least recently
     used first. A lookup continues its chain into the tier where the pool's hits end; those pages are loaded into
-    pool pages before the forward that reads them, and count as hits (``CacheStats.second_tier``). The engine's own
-    pool only (not ``add_tenant``'s), and only with prefix caching. A store that cannot be made (a folder that is not
-    one, or cannot be written, a disk too small for it; a folder for a GPU's KV) raises ``ValueError`` here; a store
-    that fails later switches the tier off with a warning, and no request fails.
+    pool pages before the forward that reads them, and count as hits (``CacheStats.second_tier``). Only with
+    prefix caching; a tenant gets a tier of its own from ``add_tenant``'s options of the same names. A store that
+    cannot be made (a folder that is not one, or cannot be written, a disk too small for it; a folder for a GPU's KV)
+    raises ``ValueError`` here; a store that fails later switches the tier off with a warning, and no request fails.
 
     ``compile`` (the default on the CPU) serves the model compiled by ``torch.compile``, loaded from the on-disk
     cache when this machine compiled that model before (seconds), else compiled now (a minute or so on 2 cores) and
@@ -688,14 +717,7 @@ class InferenceEngine(Tenant):
             raise ValueError(f"n_pages must be an integer >= 1, got {n_pages!r}")
         if isinstance(tenant_pages, bool) or not isinstance(tenant_pages, int) or tenant_pages < 0:
             raise ValueError(f"tenant_pages must be an integer >= 0, got {tenant_pages!r}")
-        if isinstance(offload_pages, bool) or not isinstance(offload_pages, int) or offload_pages < 0:
-            raise ValueError(f"offload_pages must be an integer >= 0 (0: no second tier), got {offload_pages!r}")
-        if offload_pages and offload_policy not in WRITE_POLICIES:
-            raise ValueError(f"offload_policy must be one of {list(WRITE_POLICIES)}, got {offload_policy!r}")
-        if offload_pages and not prefix_caching:
-            raise ValueError("a second tier (offload_pages) needs prefix_caching: with it off nothing is looked up")
-        if offload_pages and offload_to != "memory" and self.device.type != "cpu":
-            raise ValueError('a file tier reads into host memory: with the KV on a GPU, use offload_to="memory"')
+        _check_tier_options(offload_pages, offload_to, offload_policy, prefix_caching, self.device)
         model_limit = getattr(model.config, "max_position_embeddings", None) or n_pages * page_size
         self.max_seq_len = min(max_seq_len or model_limit, model_limit)
         self.tokenizer: PreTrainedTokenizerBase = tokenizer
@@ -717,17 +739,10 @@ class InferenceEngine(Tenant):
         super().__init__(
             self, n_pages, page_size, 0, max_batch_size, prefix_caching, eviction, *self._observation_sizes
         )
+        self._page_bytes = page_size * kv_bytes_per_token(model.config, torch_dtype)  # a second tier's page
         store: TierStore | None = None
         if offload_pages:  # before the model is touched: a store that cannot be made leaves it as it was
-            page_bytes = page_size * kv_bytes_per_token(model.config, torch_dtype)
-            store = open_store(offload_to, offload_pages, page_bytes, pinned=self.device.type == "cuda")
-            longest = -(-self.max_seq_len // page_size)
-            if offload_pages < longest:
-                log.warning(
-                    "astrai: the second tier holds %d pages, fewer than one request of max_seq_len=%d tokens needs "
-                    "(%d): a long prompt's first pages are evicted from it by its last",
-                    offload_pages, self.max_seq_len, longest,
-                )  # fmt: skip
+            store = self._open_tier_store(offload_to, offload_pages, n_pages)
         try:
             self.runner = ModelRunner(
                 model, n_pages + tenant_pages, page_size, preparation, progress, background_compile
@@ -737,7 +752,7 @@ class InferenceEngine(Tenant):
                 store.close()
             raise
         if store is not None:
-            self.cache.attach_tier(SecondTier(store, self.runner.kv_planes(), offload_policy, emit=self._emit))
+            self._attach_tier(store, offload_policy)
         self._release_pool()  # this thread prepared the model; its idle OpenMP workers would slow the loop's
         self._thread = threading.Thread(target=self._loop, name="astrai-engine", daemon=True)
         self._thread.start()
@@ -777,17 +792,24 @@ class InferenceEngine(Tenant):
         history_size: int | None = None,
         keep_finished: int | None = None,
         explain_keys: int | None = None,
+        offload_pages: int = 0,
+        offload_to: str | os.PathLike[str] = "memory",
+        offload_policy: str = "through",
     ) -> Tenant:
         """A pool of ``n_pages`` of its own, carved out of the ``tenant_pages`` reserve, served in this engine's
         forwards; see ``Tenant``. The observation bounds (``event_log_size``, ``history_size``, ``keep_finished``,
         ``explain_keys``) are the engine's unless given: a host of many small pools gives each bounds its size (their
-        records, not their KV, are what a tenant's memory is). Raises ``TenantReserveFull`` when no free range of the
-        reserve is that large, ``ValueError`` on bad settings."""
+        records, not their KV, are what a tenant's memory is). ``offload_pages``, ``offload_to`` and
+        ``offload_policy`` give it a second tier of its own, as the engine's own (see the class docstring): a store
+        of its own, bound to the tenant's pages of the KV, closed (its file deleted) with the tenant. Raises
+        ``TenantReserveFull`` when no free range of the reserve is that large, ``ValueError`` on bad settings (a
+        store that cannot be made included)."""
         for name, value in (("n_pages", n_pages), ("max_batch_size", max_batch_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not isinstance(prefix_caching, bool):
             raise ValueError(f"prefix_caching must be True or False, got {prefix_caching!r}")
+        _check_tier_options(offload_pages, offload_to, offload_policy, prefix_caching, self.device)
         given = {
             "event_log_size": event_log_size,
             "history_size": history_size,
@@ -802,19 +824,41 @@ class InferenceEngine(Tenant):
                 raise ValueError(f"{name} must be an integer >= 1, got {size!r}")
             sizes[i] = size
         events, history, keep, keys = sizes
-        with self._lock:
-            self._check_engine()
-            offset = self._reserve.take(n_pages)
-            try:
-                tenant = Tenant(
-                    self, n_pages, self.pool.page_size, offset, max_batch_size, prefix_caching, eviction,
-                    events, history, keep, keys,
-                )  # fmt: skip
-            except BaseException:
-                self._reserve.release(offset, n_pages)
-                raise
-            self._tenants.append(tenant)
-            return tenant
+        # the store before the lock: a file's preallocation is I/O
+        store = self._open_tier_store(offload_to, offload_pages, n_pages) if offload_pages else None
+        try:
+            with self._lock:
+                self._check_engine()
+                offset = self._reserve.take(n_pages)
+                try:
+                    tenant = Tenant(
+                        self, n_pages, self.pool.page_size, offset, max_batch_size, prefix_caching, eviction,
+                        events, history, keep, keys,
+                    )  # fmt: skip
+                    if store is not None:
+                        tenant._attach_tier(store, offload_policy)
+                except BaseException:
+                    self._reserve.release(offset, n_pages)
+                    raise
+                self._tenants.append(tenant)
+                return tenant
+        except BaseException:
+            if store is not None:
+                store.close()
+            raise
+
+    def _open_tier_store(self, where: str | os.PathLike[str], slots: int, pool_pages: int) -> TierStore:
+        """A second tier's store of ``slots`` pages of this engine's KV (pinned host memory for a CUDA engine's), for
+        a pool of ``pool_pages``. A warning where it holds fewer pages than the longest request can fill."""
+        store = open_store(where, slots, self._page_bytes, pinned=self.device.type == "cuda")
+        longest = min(-(-self.max_seq_len // self.pool.page_size), pool_pages)
+        if slots < longest:
+            log.warning(
+                "astrai: a second tier holds %d pages, fewer than the longest request its pool can hold fills (%d): "
+                "a long prompt's first pages are evicted from it by its last",
+                slots, longest,
+            )  # fmt: skip
+        return store
 
     @property
     def tenants(self) -> list[Tenant]:
@@ -878,10 +922,11 @@ class InferenceEngine(Tenant):
                     for t in self._tenants
                     for item in t._fail([*t.scheduler.running, *t.scheduler.waiting], closing)
                 ]
+                for tenant in self._tenants:  # under the lock: a tenant's ``close`` closes its tier too
+                    if tenant.cache.tier is not None:
+                        tenant.cache.tier.close()  # its file, if any, is deleted
             _deliver(outbox)
             self.runner.release()  # the last engine on the model restores it
-            if self.cache.tier is not None:
-                self.cache.tier.close()  # its file, if any, is deleted
 
     def _step(self) -> None:
         """Schedule every tenant, run one forward over all their tokens, sample, and stream each tenant's part.

@@ -84,6 +84,52 @@ def test_greedy_in_tight_tenants_equals_transformers_while_all_share_the_forward
         engine.pool.check_invariants()
 
 
+def test_tenants_with_second_tiers_of_their_own_equal_transformers(llama, tmp_path):
+    """Two tight tenants, each with a six-page tier of its own (one in memory, one a file), beside the default pool:
+    every tier evicts and loads back, and every output is still transformers'. A tier bound to the engine's pages
+    0.. instead of its tenant's would copy another pool's KV (the default pool's, here), and the outputs would
+    differ. Closing a tenant deletes its tier's file."""
+    model, tokenizer, refs, pages_per_request = llama
+    tight = pages_per_request + 2
+    with InferenceEngine(
+        model, tokenizer, page_size=PAGE, n_pages=256, tenant_pages=2 * tight, max_batch_size=6, compile=False
+    ) as engine:
+        in_memory = engine.add_tenant(tight, max_batch_size=6, offload_pages=6, offload_policy="on_evict")
+        on_disk = engine.add_tenant(tight, max_batch_size=6, offload_pages=6, offload_to=tmp_path)
+        for _ in range(2):
+            outputs = run_together(
+                {"default": (engine, PROMPTS), "memory": (in_memory, PROMPTS), "file": (on_disk, PROMPTS)}
+            )
+            assert outputs == {"default": refs, "memory": refs, "file": refs}
+        for prompt, ref in zip(PROMPTS[::-1], refs[::-1], strict=True):  # alone: what the tier kept is looked up
+            assert run_together({"memory": (in_memory, [prompt]), "file": (on_disk, [prompt])}) == {
+                "memory": [ref],
+                "file": [ref],
+            }
+        assert engine.cache_stats().second_tier is None  # the default pool has none: the tiers are the tenants'
+        for tenant, medium in ((in_memory, "memory"), (on_disk, "file")):
+            tier = tenant.cache_stats().second_tier
+            assert tier is not None and tier.enabled and tier.medium == medium and tier.capacity_pages == 6
+            assert tier.loaded_pages > 0 and tier.evictions > 0
+            tenant.pool.check_invariants()
+            tenant.cache.tier.check_invariants()
+        assert list(tmp_path.iterdir())  # the file tier's file
+        on_disk.close()
+        assert not list(tmp_path.iterdir())
+
+
+def test_a_tenant_with_a_tier_that_cannot_be_made_takes_no_pages(model, tokenizer, tmp_path):
+    with InferenceEngine(model, tokenizer, page_size=PAGE, n_pages=16, tenant_pages=8, compile=False) as engine:
+        with pytest.raises(ValueError, match="is not a directory"):
+            engine.add_tenant(8, offload_pages=4, offload_to=tmp_path / "missing")
+        with pytest.raises(ValueError, match="offload_policy"):
+            engine.add_tenant(8, offload_pages=4, offload_policy="sometimes")
+        with pytest.raises(ValueError, match="needs prefix_caching"):
+            engine.add_tenant(8, offload_pages=4, prefix_caching=False)
+        assert engine.add_tenant(8).pool.n_pages == 8  # the refused ones took no pages
+        assert not list(tmp_path.iterdir())
+
+
 def test_a_tenant_sees_only_its_own_pages_requests_and_counts(model, tokenizer):
     with InferenceEngine(model, tokenizer, page_size=PAGE, n_pages=64, tenant_pages=40, compile=False) as engine:
         mine, theirs = engine.add_tenant(20, max_batch_size=2), engine.add_tenant(20)
