@@ -455,3 +455,21 @@ def test_browser_a_hidden_tab_sends_no_ticks_and_starts_again_when_shown(page, c
     page.evaluate(visibility_js(hidden=False))
     page.wait_for_timeout(3000)
     assert ticks, "shown again, the tab ticks again"
+
+
+def test_the_app_starts_where_localhost_answers_slowly(monkeypatch):
+    """Gradio's check that localhost answers (one HEAD, a 3 s timeout) ended the app when the page's first render
+    took longer, on 2 busy cores: the app launches without it, with the options app.py passes."""
+    import gradio as gr
+    from gradio import networking
+
+    from astrai.playground.ui.app import launch_options
+
+    monkeypatch.setattr(networking, "url_ok", lambda url: False)  # as a HEAD that timed out answers
+    with gr.Blocks() as demo:
+        gr.Markdown("up")
+    try:
+        demo.launch(**launch_options(), prevent_thread_lock=True, server_name="127.0.0.1", quiet=True)
+        assert demo.local_url
+    finally:
+        demo.close()

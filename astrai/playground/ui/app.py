@@ -26,8 +26,14 @@ from astrai.playground.views import charts
 def launch_options() -> dict[str, object]:
     """What ``Blocks.launch`` takes from the playground: the page's CSS (Gradio 6 takes it at launch), and as many
     sessions kept as the app keeps visitors (``knobs.SESSIONS``: Gradio's default, 10,000, grew a Space by its
-    visitors)."""
-    return {"css": PAGE_CSS, "state_session_capacity": knobs.SESSIONS}
+    visitors).
+
+    And no check that localhost answers (``_frontend=False``): Gradio's (``networking.url_ok``) sends one HEAD with
+    a 3 s timeout and, on a timeout, ends the app with "When localhost is not accessible, a shareable link must be
+    created" (gradio-app/gradio#8671). The page's first render takes longer than that on 2 busy cores (the start's
+    background compile, a test suite beside it): the app exited at its start. Nothing else depends on the check; a
+    server that does not answer shows as one anyway."""
+    return {"css": PAGE_CSS, "state_session_capacity": knobs.SESSIONS, "_frontend": False}
 
 
 def build_demo(engines: Engines, teacher_key: str | None = knobs.TEACHER_KEY) -> gr.Blocks:
