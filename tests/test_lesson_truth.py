@@ -294,12 +294,13 @@ def test_step_3_on_a_visitors_own_pool_shows_eviction_costing_hits(pg):
 
 
 def test_the_second_tier_step_loads_each_story_back_as_its_text_says(pg):
-    """Issue 45: on the shared engine with a second tier in memory, the second run's badges say every story's full
-    pages were loaded from the tier, and the stats line's 'Second tier' counts those loads (from its stats)."""
+    """Issue 45: on the visitor's own pool (a tenant of the default engine) with a second tier of its own in memory,
+    the second run's badges say every story's full pages were loaded from the tier, and the stats line's 'Second
+    tier' counts those loads (from its stats)."""
     session, index = "tiered", next(i for i, s in enumerate(LESSON) if s.scenario == SECOND_TIER.name)
     fields, backend = lesson_step(pg, session, index)
     assert backend is not None and backend.stats().second_tier is not None
-    assert not pg.ctx.visitors.peek(session).profile.owner, "a tenant's pool has no tier: the class shares it"
+    assert pg.ctx.visitors.peek(session).profile.owner, "each student's own pool, with a tier of its own"
     runs = []
     for _ in range(2):
         run_to_the_end(pg, session, fields)

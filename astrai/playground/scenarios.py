@@ -185,15 +185,15 @@ POLICY = Scenario(
     namespace="fresh",
 )
 # A second tier: four stories of SECOND_TIER_PAGES full pages each (and a token or more: checked on the embedded
-# tokenizer by tests/test_scenarios.py), one request at a time in an 8-page pool, so each request evicts the one
-# before it into the tier, and a second run loads every story's pages back
+# tokenizer by tests/test_scenarios.py), one request at a time in an 8-page pool of the visitor's own, so each request
+# evicts the one before it into the visitor's own tier, and a second run loads every story's pages back
 SECOND_TIER_PAGES = 4
 SECOND_TIER = Scenario(
     name="A second tier",
-    explanation=f"One request at a time in a pool of {SECOND_TIER_PROFILE.settings.n_pages} pages, shared by the "
-    f"class, with a second tier of {SECOND_TIER_PROFILE.settings.offload_pages:,} pages in memory that keeps what the "
-    f"pool evicts. Each story fills {SECOND_TIER_PAGES} pages, so each request evicts the one before it into the tier. "
-    "Run twice: the second run loads the stories' pages back from the tier instead of computing them.",
+    explanation=f"One request at a time in a {SECOND_TIER_PROFILE.settings.n_pages}-page pool of your own, with a "
+    f"second tier of {SECOND_TIER_PROFILE.settings.offload_pages} pages in memory that keeps what the pool evicts. "
+    f"Each story fills {SECOND_TIER_PAGES} pages, so each request evicts the one before it into the tier. Run twice: "
+    "the second run loads the stories' pages back from the tier instead of computing them.",
     prompts=[
         "Once upon a time, a little girl named Lily lived in a house by a big green forest. Every morning she walked "
         "to the river with her dog, Max, to look at the fish. She liked to count them and give each one a name, and "
@@ -276,19 +276,25 @@ def policy_claim() -> str:
     )
 
 
+# The second-tier step says a page loads at least this many times faster than it is computed, on the embedded model:
+# tests/test_lesson_truth.py measures both on the machine that runs the suite (docs/benchmarks.md: 460× to 10,000×)
+LOAD_FASTER_THAN_COMPUTE = 10
+
+
 def second_tier_claim() -> str:
-    """The second-tier step's text: its figures from the scenario and its engine's settings, the costs from
-    docs/benchmarks.md's measurement of the tier on this machine (the embedded model, float32, file tier)."""
+    """The second-tier step's text: its figures from the scenario and its pool's settings; its comparison of load
+    and compute costs measured by tests/test_lesson_truth.py (``LOAD_FASTER_THAN_COMPUTE``)."""
     settings = SECOND_TIER.profile.settings
     loaded = SECOND_TIER_PAGES * settings.page_size
     return (
-        f"Press Run twice. This engine, shared by the class, runs one request at a time in {settings.n_pages} pages "
-        f"and keeps what its pool evicts in a second tier of {settings.offload_pages:,} pages in memory. Each story "
-        f"fills {SECOND_TIER_PAGES} pages, so each request evicts the one before it into the tier. In the second run "
-        f"every badge says {loaded} cached, {loaded} of them loaded from the second tier (copied back, not computed), "
-        "and the stats line's 'Second tier' counts the pages loaded and the time that took. On this tiny model a "
-        "16-token page loads in 0.01 to 0.07 ms and recomputes in 9 to 160 ms (docs/benchmarks.md, this machine), so "
-        "loading wins from the first full page; recomputing wins only where a load costs more than a page's prefill."
+        f"Press Run twice. A pool of your own runs one request at a time in {settings.n_pages} pages and keeps what "
+        f"it evicts in a second tier of {settings.offload_pages} pages in memory. Each story fills {SECOND_TIER_PAGES} "
+        "pages, so each request evicts the one before it into the tier. In the second run every badge says "
+        f"{loaded} cached, {loaded} of them loaded from the second tier (copied back, not computed), and the stats "
+        "line's 'Second tier' says how many pages were loaded and in how many milliseconds. On this model loading "
+        f"wins from the first full page: a page loads more than {LOAD_FASTER_THAN_COMPUTE}× faster than it is "
+        "computed. Recomputing wins only where a load costs more than a page's prefill: a large page from a slow "
+        "disk or a network store, for a small model on a fast accelerator."
     )
 
 

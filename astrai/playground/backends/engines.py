@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -45,14 +46,33 @@ from astrai.model_runner import kv_bytes_per_token
 from astrai.playground import knobs
 from astrai.playground.backends.heap import HeapTrim
 from astrai.playground.backends.local import LocalBackend
-from astrai.playground.backends.profiles import DEFAULT_PROFILE, Profile, model_choices, owner_of, without_caching
+from astrai.playground.backends.profiles import (
+    DEFAULT_PROFILE,
+    TIER_STORE,
+    TIER_WRITE,
+    Profile,
+    model_choices,
+    owner_of,
+    without_caching,
+)
 from astrai.playground.backends.protocol import BackendError, EngineLimitReached, EngineView, Progress
 
 log = logging.getLogger("astrai.playground")
+
+
+class ObservationBounds(TypedDict):
+    """``add_tenant``'s bounds on what a pool keeps of its past."""
+
+    history_size: int
+    event_log_size: int
+    keep_finished: int
+    explain_keys: int
+
+
 # What a visitor's own pool keeps of its past, sized to one visitor rather than to the pool everyone shares (a class
 # of 30 holds 30 of them, one each): its steps (a run of the lesson's small pools takes ~200), its events, its ended
 # requests (a run has at most 6) and the keys its explanations read.
-OWN_POOL_OBSERVATION = {"history_size": 1024, "event_log_size": 1024, "keep_finished": 64, "explain_keys": 1024}
+OWN_POOL_OBSERVATION = ObservationBounds(history_size=1024, event_log_size=1024, keep_finished=64, explain_keys=1024)
 # An own pool idle this long is taken back when the reserve is full and another visitor needs one: longer than a
 # student reads a step's note between two presses, far shorter than the 600 s an engine is kept.
 OWN_POOL_RECLAIM_S = 120.0
@@ -249,8 +269,16 @@ class LocalEngines:
 
     def _check_bounds(self, new: _Slot) -> None:
         slots = [slot for slot in self._slots.values() if slot.profile.owner is None]  # engines, not own pools
-        if not slots or new.profile.owner is not None:
-            return  # the default engine (the operator's own choice, always built), or a pool in its reserve
+        if not slots:
+            return  # the default engine: the operator's own choice, always built
+        used = sum(s.kv_bytes for s in self._slots.values())  # own pools' second tiers too
+        if used + new.kv_bytes > self._kv_budget:
+            raise EngineLimitReached(
+                f"A pool of {new.kv_bytes / 2**20:.0f} MB of KV does not fit: {used / 2**20:.0f} of the Space's "
+                f"{self._kv_budget / 2**20:.0f} MB are in use. Choose fewer pages, or try again later."
+            )
+        if new.profile.owner is not None:
+            return  # a pool in the default engine's reserve: no engine of its own
         if len(slots) >= self._max_engines:
             raise EngineLimitReached(
                 f"This Space already runs {len(slots)} engines, its limit: use a scenario's engine, or try again "
@@ -261,19 +289,13 @@ class LocalEngines:
                 f"All {self._max_custom} engines for visitors' own settings are taken. Pick settings another visitor "
                 "uses, a scenario, or try again in a few minutes, when an idle one has been retired."
             )
-        used = sum(s.kv_bytes for s in slots)
-        if used + new.kv_bytes > self._kv_budget:
-            raise EngineLimitReached(
-                f"A pool of {new.kv_bytes / 2**20:.0f} MB of KV does not fit: {used / 2**20:.0f} of the Space's "
-                f"{self._kv_budget / 2**20:.0f} MB are in use. Choose fewer pages, or try again later."
-            )
 
     def _kv_bytes(self, profile: Profile) -> int:
         """What the profile's KV pool and second tier take (a tier's pages are host memory too), from its model's
         config: the loaded model's, else the config read once and kept (a hub model's may come over the network).
         Never called under ``_lock``: every visitor's 1 Hz poll takes it, and a fetch of 3 s held it for as long."""
         settings = profile.settings
-        if profile.owner is not None:
+        if profile.owner is not None and not settings.offload_pages:
             return 0  # its pages are the default engine's reserve, counted with that engine
         with self._lock:
             loaded = self._models.get((profile.model, settings.dtype))
@@ -288,6 +310,8 @@ class LocalEngines:
             with self._lock:
                 self._configs[profile.model] = config
         per_token = kv_bytes_per_token(config, SUPPORTED_DTYPES[settings.dtype])
+        if profile.owner is not None:  # its pool is in the default engine's reserve; its tier is its own
+            return settings.offload_pages * settings.page_size * per_token
         reserve = self._tenant_pages if profile == self._default else 0
         return (settings.n_pages + reserve + settings.offload_pages) * settings.page_size * per_token
 
@@ -311,8 +335,8 @@ class LocalEngines:
                 dtype=settings.dtype,
                 eviction=settings.eviction,
                 offload_pages=settings.offload_pages,
-                offload_to="memory",
-                offload_policy="on_evict",
+                offload_to=TIER_STORE,
+                offload_policy=TIER_WRITE,
                 tenant_pages=self._tenant_pages if profile == self._default else 0,
                 compile=self._compile,
                 background_compile=precompile.in_child(self._choices[profile.model], settings.dtype),
@@ -338,6 +362,9 @@ class LocalEngines:
             max_batch_size=settings.max_batch_size,
             prefix_caching=settings.prefix_caching,
             eviction=settings.eviction,
+            offload_pages=settings.offload_pages,
+            offload_to=TIER_STORE,
+            offload_policy=TIER_WRITE,
             **OWN_POOL_OBSERVATION,
         )
         try:

@@ -47,6 +47,11 @@ def model_choices(allow_hub: bool) -> dict[str, str]:
     return {EMBEDDED_LABEL: EMBEDDED_MODEL, **(HUB_MODELS if allow_hub else {})}
 
 
+# where a profile's second tier lives and when a page is written to it: host memory, as the pool evicts the page
+TIER_STORE = "memory"
+TIER_WRITE = "on_evict"
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     page_size: int = 16
@@ -55,9 +60,9 @@ class EngineSettings:
     prefix_caching: bool = True
     dtype: str = "float32"
     eviction: str = "lru"  # which cached page a full pool gives up first: astrai.eviction.POLICIES
-    # a second tier of this many pages in host memory, written when the pool evicts a page (``InferenceEngine``'s
-    # ``offload_pages``, ``offload_to="memory"``, ``offload_policy="on_evict"``); 0: none. Lesson profiles set it,
-    # the Engine settings panel does not offer it; an engine of its own only (a tenant's pool has no tier)
+    # a second tier of this many pages in host memory (``TIER_STORE``), written as ``TIER_WRITE`` says
+    # (``InferenceEngine``'s and ``add_tenant``'s ``offload_pages``, ``offload_to``, ``offload_policy``); 0: none.
+    # Lesson profiles set it, the Engine settings panel does not offer it
     offload_pages: int = 0
 
     def validate(self) -> None:
@@ -141,12 +146,13 @@ ONE_AT_A_TIME_PROFILE = Profile(
     settings=EngineSettings(page_size=16, n_pages=9, max_batch_size=1), name="one at a time, 9 pages", per_visitor=True
 )
 
-# "A second tier": one request at a time in 8 pages, a prompt of 4 full pages, and a tier in memory that keeps what
-# the pool evicts. A shared engine, not a pool of each visitor's own: a tenant's pool has no second tier (astrai.tier
-# serves the engine's own pool). 1,024 pages (48 MB of float32 KV on the embedded model) keep a class's pages.
+# "A second tier": one request at a time in 8 pages of each visitor's own, and a tier of their own in memory that
+# keeps what the pool evicts. The step's four stories fill at most 5 full pages each (prompt and output): 32 pages
+# (1.5 MB of float32 KV on the embedded model) keep all of them, with room to spare
 SECOND_TIER_PROFILE = Profile(
-    settings=EngineSettings(page_size=16, n_pages=8, max_batch_size=1, offload_pages=1024),
+    settings=EngineSettings(page_size=16, n_pages=8, max_batch_size=1, offload_pages=32),
     name="8 pages and a second tier",
+    per_visitor=True,
 )
 
 
