@@ -95,6 +95,42 @@ def test_the_ladder_command_prints_and_writes_the_ladder(tmp_path, capsys):
     assert "never_seen: 96 tokens (48.00%): new 96, diverged 0" in capsys.readouterr().out
 
 
+def test_the_ladder_command_takes_a_second_tier(tmp_path, capsys):
+    """A, B, A (blocks of 2 tokens and one more each) on 2 pages and a tier 2 of 1 block written on_evict: the tier
+    serves the last A (tests/test_ladder.py's case by hand); its rung is in the text, the JSON, CSV and HTML."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(
+        "".join(line(timestamp=t, input_length=3, hash_ids=[ids, 9 + t]) for t, ids in enumerate([1, 2, 1]))
+    )
+    csv, html = tmp_path / "l.csv", tmp_path / "l.html"
+    argv = ["ladder", str(path), "--block-size", "2", "--capacity", "2", "--tier2", "1", "--write", "on_evict"]
+    assert main([*argv, "--json", "--csv", str(csv), "--html", str(html), "--processes", "1"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["tier2"], data["write"]) == (1, "on_evict")
+    assert {name: rung["tokens"] for name, rung in data["rungs"].items()} == {
+        "prompt_tokens": 9,
+        "reachable": 6,
+        "ceiling": 2,
+        "belady (C1 + C2)": 2,
+        "lru + tier 2": 2,
+        "lru": 0,
+    }
+    assert "gap,tier,,2," in csv.read_text() and "tier 2 of 1 blocks written on_evict" in html.read_text()
+    assert main([*argv, "--processes", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "lru at 2 cached pages, tier 2 of 1 blocks written on_evict" in text
+    assert "tier: 2 tokens (22.22%): loaded_from_tier2 2, pool_hits_changed 0" in text
+
+
+def test_a_bad_second_tier_is_one_line_and_exit_status_2(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    path.write_text(line(block_size=4))
+    ladder = ["ladder", str(path), "--capacity", "2", "--processes", "1"]
+    assert "--tier2: must be >= 0, got -1" in fails([*ladder, "--tier2", "-1"], capsys)
+    assert "--write: invalid choice: 'back'" in fails([*ladder, "--tier2", "4", "--write", "back"], capsys)
+    assert "--write is tier 2's write policy: give --tier2" in fails([*ladder, "--write", "on_evict"], capsys)
+
+
 def test_the_command_starts_without_torch():
     """A fresh interpreter runs the lab's commands on a trace and has imported neither torch nor transformers."""
     script = (

@@ -1,5 +1,6 @@
-"""The hit-rate ladder: ladders worked out by hand (one engine, namespaces, a fleet, what was delivered), its order
-and its causes on random traces, and its three outputs (JSON, CSV, a self-contained HTML report)."""
+"""The hit-rate ladder: ladders worked out by hand (one engine, namespaces, a fleet, what was delivered, a second
+tier), its order and its causes on random traces (with a tier too), and its three outputs (JSON, CSV, a
+self-contained HTML report)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from hypothesis import strategies as st
 
 from astrai.eviction import POLICIES
 from astrai.lab.ladder import Ladder, LadderError, fleet_ladder, ladder
-from astrai.lab.replay import Replay
+from astrai.lab.replay import SEMANTICS, Replay
 from astrai.lab.report import ladder_csv, ladder_html
+from astrai.lab.tiered import run_tiered
 from astrai.lab.trace import Trace, TraceRequest
 
 # Hand-made ladders with evictions are worked out under today's replay rules, which the replay will keep as
@@ -136,6 +138,44 @@ def test_a_fleet_by_hand():
     assert result.replicas == 2 and result.capacity == 1
 
 
+def test_a_second_tier_by_hand():
+    """An engine's pool of 2 pages (C1), blocks of 2 tokens; A + 1, B + 1, A + 1 (3 tokens each: 9; a request takes
+    2 pages, its block and its partial one).
+
+    * prompt 9, partial 3, reachable 6; ceiling: A, B new (4 tokens), then A hits: 2.
+    * The pool alone (LRU, and Belady too): B's 2 pages take the free page and A's: A is evicted, the last A
+      computes: 0. So Belady at C1 serves 0, and a tier serves more than the pool's own optimum.
+    * Belady on one pool of C1 + C2 = 3 pages: B takes the free ones, A stays: 2 (capacity 0).
+    * on_evict, C2 = 1: B's allocation evicts A into tier 2; the last A loads it: 2 tokens from tier 2. Tier gap
+      2 - 0 = 2, all loaded_from_tier2; policy gap 2 - 2 = 0.
+    * through, C2 = 1: A is written to tier 2 when stored, then B (stored) takes its one block: the last A finds
+      neither: 0. LRU on one pool of 3 pages serves 2, so the policy gap 2 - 0 = 2 is all split_into_tiers: a
+      through tier of one block only copies what the pool holds. With C2 = 2 it keeps A: 2 tokens loaded.
+    """
+    trace = Trace(chains(["A", "B", "A"]), 2, "hand")
+    assert Replay(trace).run("belady", 2).hit_tokens == 0
+    top = {"prompt_tokens": 9, "reachable": 6, "ceiling": 2, "belady (C1 + C2)": 2}
+    top_causes = {
+        "page_floor": {"partial_page": 3, "last_token": 0},
+        "never_seen": {"new": 4, "diverged": 0},
+        "capacity": {"evicted": 0},
+    }
+    on_evict = ladder(trace, 2, "lru", tier2=1, write="on_evict")
+    assert tokens(on_evict) == {**top, "lru + tier 2": 2, "lru": 0}
+    assert causes(on_evict) == {
+        **top_causes,
+        "policy": {"evicted_by_policy": 0, "split_into_tiers": 0},
+        "tier": {"loaded_from_tier2": 2, "pool_hits_changed": 0},
+    }
+    assert on_evict.gap("tier").above == "lru + tier 2" and on_evict.gap("tier").below == "lru"
+    through = ladder(trace, 2, "lru", tier2=1, write="through")
+    assert tokens(through) == {**top, "lru + tier 2": 0, "lru": 0}
+    assert causes(through)["policy"] == {"evicted_by_policy": 0, "split_into_tiers": 2}
+    assert causes(through)["tier"] == {"loaded_from_tier2": 0, "pool_hits_changed": 0}
+    assert causes(ladder(trace, 2, "lru", tier2=2))["tier"] == {"loaded_from_tier2": 2, "pool_hits_changed": 0}
+    assert (through.tier2, through.write, on_evict.capacity) == (1, "through", 2)
+
+
 @st.composite
 def prefix_traces(draw: st.DrawFn) -> tuple[Trace, list[str]]:
     """Random requests that extend a prefix of an earlier one (or start afresh) with new blocks; ids chain, prompts
@@ -181,6 +221,45 @@ def test_the_rungs_fall_and_every_gap_is_its_causes(case, capacity, namespaced):
         assert_gaps_are_their_causes(fleet)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    case=prefix_traces(),
+    capacity=st.integers(0, 8),
+    tier2=st.integers(0, 8),
+    semantics=st.sampled_from(SEMANTICS),
+    namespaced=st.booleans(),
+)
+def test_a_tier_rung_sits_between_both_tiers_optimum_and_the_policy(case, capacity, tier2, semantics, namespaced):
+    """With a second tier, for every policy and write policy: ceiling >= belady (C1 + C2) >= the policy + tier 2 >=
+    the policy at C1 (a tier only adds hits), each gap is its causes; the tier's rung and its tier-2 hits are the
+    tiered replay's own; evicted_by_policy >= 0 and, under LRU, the pool's own hits are those without the tier."""
+    trace, namespaces = case
+    for policy in POLICIES:
+        for write in ("through", "on_evict"):
+            result = ladder(
+                trace,
+                capacity,
+                policy,
+                namespaces=namespaces if namespaced else None,
+                semantics=semantics,
+                tier2=tier2,
+                write=write,
+            )
+            rungs = tokens(result)
+            tiered = rungs[f"{policy} + tier 2"]
+            assert rungs["reachable"] >= rungs["ceiling"] >= rungs["belady (C1 + C2)"] >= tiered >= rungs[policy]
+            assert_gaps_are_their_causes(result)
+            assert causes(result)["policy"]["evicted_by_policy"] >= 0
+            if not namespaced:  # the trace as given is what the tiered replay reads
+                replayed = run_tiered(Replay(trace), policy, capacity, tier2, write, semantics)
+                assert (tiered, causes(result)["tier"]["loaded_from_tier2"]) == (
+                    replayed.hit_tokens,
+                    replayed.tier2_hit_tokens,
+                )
+            if policy == "lru":
+                assert causes(result)["tier"]["pool_hits_changed"] == 0
+
+
 def assert_gaps_are_their_causes(result: Ladder) -> None:
     data = result.to_dict()
     for gap in data["gaps"]:
@@ -200,6 +279,18 @@ def test_bad_inputs_are_refused_with_reasons():
         ladder(trace, 2, "lru", delivered=[0, 5])
     with pytest.raises(LadderError, match="no requests"):
         ladder(Trace((), 2), 2, "lru")
+    with pytest.raises(LadderError, match=r"tier2 must be an integer >= 0 \(tier 2's blocks\), got -1"):
+        ladder(trace, 2, "lru", tier2=-1)
+    with pytest.raises(LadderError, match="tier2 must be an integer >= 0"):
+        ladder(trace, 2, "lru", tier2=True)
+    with pytest.raises(LadderError, match=r"write must be one of \['through', 'on_evict'\], got 'back'"):
+        ladder(trace, 2, "lru", tier2=4, write="back")
+    with pytest.raises(LadderError, match="write='on_evict' is a second tier's write policy: give tier2"):
+        ladder(trace, 2, "lru", write="on_evict")
+    with pytest.raises(LadderError, match="delivered with a second tier is not supported"):
+        ladder(trace, 2, "lru", delivered=[0, 2], tier2=4)
+    with pytest.raises(LadderError, match="a fleet's ladder takes no tier2"):
+        fleet_ladder([trace, trace], 2, "lru", tier2=4)
 
 
 def test_the_exports_carry_every_rung_and_cause():
@@ -225,6 +316,31 @@ def test_the_exports_carry_every_rung_and_cause():
     assert "<script" not in page and "<link" not in page and "src=" not in page
     assert "https://" not in page and "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
     assert "<title>policy: 4 tokens (16.67%): evicted_by_policy 4</title>" in page
+    assert (data["tier2"], data["write"]) == (None, None)
+
+
+def test_the_exports_carry_the_tier_rung():
+    """With a tier: its settings in the JSON, its rung and causes in the CSV, the tier in the HTML's setting and the
+    tier gap's causes in its hover."""
+    result = ladder(Trace(chains(["A", "B", "A"]), 2, "hand"), 2, "lru", tier2=1, write="on_evict")
+    data = json.loads(json.dumps(result.to_dict()))
+    assert list(data["rungs"]) == ["prompt_tokens", "reachable", "ceiling", "belady (C1 + C2)", "lru + tier 2", "lru"]
+    assert (data["capacity"], data["tier2"], data["write"]) == (2, 1, "on_evict")
+    assert data["gaps"][-1] == {
+        "name": "tier",
+        "from": "lru + tier 2",
+        "to": "lru",
+        "tokens": 2,
+        "share": 2 / 9,
+        "causes": {"loaded_from_tier2": 2, "pool_hits_changed": 0},
+    }
+    csv = ladder_csv(result).splitlines()
+    assert (
+        "rung,lru + tier 2,,2,0.2222222222222222" in csv and "cause,tier,loaded_from_tier2,2,0.2222222222222222" in csv
+    )
+    page = ladder_html(result)
+    assert "lru at 2 cached pages, tier 2 of 1 blocks written on_evict" in page
+    assert "<title>tier: 2 tokens (22.22%): loaded_from_tier2 2, pool_hits_changed 0</title>" in page
 
 
 def test_each_semantics_rungs_are_the_replays_under_it():

@@ -89,6 +89,43 @@ def test_the_caption_says_exactly_what_is_counted():
     assert words.endswith("a note")
 
 
+def test_a_ladder_with_a_second_tier_shows_its_rung_and_says_so():
+    """The lab's ladder with a tier (A, B, A on 2 pages, a tier 2 of 1 block written on_evict): the chart has the
+    tier's rung and its gap, and the caption names the tier and what its rung counts."""
+    from astrai.lab.ladder import ladder
+    from astrai.lab.trace import Trace, TraceRequest
+
+    requests = tuple(TraceRequest(t, 3, 1, (ids, 9 + t)) for t, ids in enumerate((1, 2, 1)))
+    built = ladder(Trace(requests, 2, "hand"), 2, "lru", tier2=1, write="on_evict")
+    rungs, gaps = view.ladder_chart(built).data
+    assert list(rungs.y)[-2:] == ["lru + tier 2", "lru"]
+    assert gaps.text[-1] == "tier 2" and "loaded from tier2: 2 tokens" in gaps.customdata[-1][0]
+    words = view.caption(built, "hand")
+    assert "policy **lru**, behind it a second tier of **1 blocks** (LRU) written on_evict" in words
+    assert "'lru + tier 2' counts both tiers' hits" in words
+    assert "second tier" not in view.caption(HAND_MADE, "hand")
+
+
+def test_an_engine_with_a_second_tier_is_said_to_deliver_what_the_replay_has_no_tier_for():
+    """The visitor's ladder replays no tier: on an engine with one, its caption says the tier's loads show in the
+    scheduling gap."""
+    from astrai.observation import CacheStats, RequestInfo, TierStats
+    from astrai.playground.callbacks.ladder import visitor_ladder
+
+    tier = TierStats(**dict.fromkeys(f.name for f in dataclasses.fields(TierStats)))  # type: ignore[arg-type]
+    base = dict.fromkeys(f.name for f in dataclasses.fields(CacheStats))
+    fields = dict(finished=1, cancelled=0, failed=0, generated_tokens=0, steps=1, prefix_caching=True)
+    stats = CacheStats(**(base | fields | {"page_size": 4, "n_pages": 8, "eviction": "lru"}))
+    info = RequestInfo(0, "finished", 10, 0, 2, 0, tuple(range(10)), (), 0.1, 1.0, None)
+    for second_tier, said in ((None, False), (tier, True)):
+        engine = SimpleNamespace(
+            replicas=(None,), stats=lambda t=second_tier: dataclasses.replace(stats, second_tier=t), events=lambda _: []
+        )
+        counted = visitor_ladder(engine, [info], view.ENGINE)
+        assert not isinstance(counted, str), counted
+        assert ("show in the scheduling gap (the lab's ladder replays a tier" in " ".join(counted.notes)) == said
+
+
 @pytest.fixture(scope="module")
 def pg():
     with playground() as pg:

@@ -1,8 +1,9 @@
 """Why is my hit rate low? The hit-rate ladder of a trace: from every prompt token down to what the policy serves
 at the capacity, each gap between two rungs split into causes (tokens).
 
-``python -m astrai.lab ladder TRACE --capacity C [--policy lru] [--json] [--csv FILE] [--html FILE]
-[--block-size B] [--semantics S] [--processes N]`` (``ladder.py`` computes it). This module also holds the checks
+``python -m astrai.lab ladder TRACE --capacity C [--policy lru] [--tier2 C2 [--write through|on_evict]] [--json]
+[--csv FILE] [--html FILE] [--block-size B] [--semantics S] [--processes N]`` (``ladder.py`` computes it; with
+``--tier2``, C is tier 1's pages and the ladder gets the tier's rung). This module also holds the checks
 the curves' command (``__main__.py``) shares: bad input ends in one line on stderr and exit status 2, never a
 traceback.
 
@@ -23,6 +24,7 @@ from astrai.lab.ladder import Ladder, LadderError, ladder
 from astrai.lab.replay import SEMANTICS
 from astrai.lab.report import gap_summary, ladder_csv, ladder_html
 from astrai.lab.trace import Trace, read_trace
+from astrai.tier import WRITE_POLICIES
 
 
 def integer_at_least(low: int) -> Callable[[str], int]:
@@ -65,6 +67,16 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("trace", metavar="TRACE", help="a trace file (Mooncake's JSON lines)")
     parser.add_argument("--capacity", type=integer_at_least(0), required=True, help="in pages (see --semantics)")
     parser.add_argument("--policy", choices=POLICIES, default="lru", help="the online policy replayed (default lru)")
+    parser.add_argument(
+        "--tier2",
+        type=integer_at_least(0),
+        default=None,
+        metavar="C2",
+        help="a second tier of C2 blocks (LRU) behind the pool: adds its rung (default: none)",
+    )
+    parser.add_argument(
+        "--write", choices=WRITE_POLICIES, default=None, help="tier 2's write policy, with --tier2 (default through)"
+    )
     add_block_size(parser)
     parser.add_argument(
         "--semantics",
@@ -79,9 +91,19 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--csv", type=Path, metavar="FILE", help="also write it as CSV")
     parser.add_argument("--html", type=Path, metavar="FILE", help="also write a self-contained HTML report")
     args = parser.parse_args(argv)
+    if args.write is not None and args.tier2 is None:
+        parser.error("--write is tier 2's write policy: give --tier2, its blocks")
     trace = read_or_exit(parser, args.trace, args.block_size)
     try:
-        result = ladder(trace, args.capacity, args.policy, semantics=args.semantics, processes=args.processes)
+        result = ladder(
+            trace,
+            args.capacity,
+            args.policy,
+            semantics=args.semantics,
+            processes=args.processes,
+            tier2=args.tier2,
+            write=args.write,
+        )
     except LadderError as error:
         parser.error(str(error))
     try:
@@ -101,13 +123,11 @@ def main(argv: Sequence[str]) -> int:
 
 def ladder_text(result: Ladder) -> str:
     """The rungs, each followed by the gap to the next one and its causes."""
-    lines = [
-        f"{result.trace}: {result.requests:,} requests, {result.block_size} tokens a page, {result.policy} at "
-        f"{result.capacity:,} cached pages"
-    ]
+    lines = [f"{result.trace}: {result.requests:,} requests, {result.block_size} tokens a page, {result.setting}"]
     gaps = {g.above: g for g in result.gaps}
+    width = max(14, *(len(r.name) + 2 for r in result.rungs))
     for rung in result.rungs:
-        lines.append(f"  {rung.name:<14}{rung.tokens:>15,}  {rung.share:>7.2%}")
+        lines.append(f"  {rung.name:<{width}}{rung.tokens:>15,}  {rung.share:>7.2%}")
         if rung.name in gaps:
             lines.append(f"      - {gap_summary(gaps[rung.name])}")
     return "\n".join(lines)

@@ -12,8 +12,17 @@ counts prompt tokens, and each is at most the one above it (but ``delivered`` an
   through its own pool of C, summed).
 * ``delivered`` (when given): what the engine or server reported, ``cached_tokens`` summed.
 
-The rungs are the replay's (``replay.py``, ``belady.py``): this module does not replay anything itself. Each gap is
-split into causes, in tokens, that sum exactly to it:
+With a second tier (``tier2`` blocks written ``write``, one engine only), C is tier 1's pages (C1) and tier 2 holds
+C2 blocks; ``belady`` gives way to its bound at both tiers' pages, and the tier gets a rung above the policy:
+
+* ``belady (C1 + C2)``: Belady's MIN on one pool of C1 + C2 pages, the tier's reference. Belady at C1 alone is no
+  rung here: a tier can serve more than the optimum of its pool alone (``tests/test_ladder.py`` has a case), so it
+  has no place in the order; the ladder without a tier shows it.
+* ``<policy> + tier 2``, e.g. ``lru + tier 2``: the tiered replay's hits (``tiered.py``'s ``run_tiered``, through
+  the engine's ``SecondTier``), tier 1's and tier 2's together, with the policy at C1.
+
+The rungs are the replay's (``replay.py``, ``belady.py``, ``tiered.py``): this module does not replay anything
+itself. Each gap is split into causes, in tokens, that sum exactly to it:
 
 * ``page_floor`` (prompt_tokens - reachable): ``partial_page``, the tokens after a prompt's last full page, and
   ``last_token``, a whole full page withheld because it holds the prompt's last token (a prompt that ends on a page
@@ -30,14 +39,34 @@ split into causes, in tokens, that sum exactly to it:
   the policy does not (net over the trace).
 * ``routing`` (single_pool - the policy, fleets): ``other_replica``, hits one pool would serve that the request's
   replica did not have; signed (partitioned pools can do better than one under LRU).
+* with a tier, ``capacity`` (ceiling - belady (C1 + C2)): ``evicted``, as above at C1 + C2 pages; ``policy``
+  (belady (C1 + C2) - the policy + tier 2): ``evicted_by_policy``, belady - the policy, both on one pool of C1 + C2
+  pages, and ``split_into_tiers``, signed: the policy on that one pool - the two tiers (under ``through`` tier 2
+  spends its blocks on copies of tier 1's; the two tiers can also serve more); ``tier`` (the policy + tier 2 - the
+  policy at C1): ``loaded_from_tier2``, the tier-2 hits, and ``pool_hits_changed``, signed: tier 1's own hits with
+  the tier - the policy's hits without it (pool pages reached past a page loaded from tier 2, and a pool the loads
+  left otherwise; 0 under LRU, whose pool holds no page past a missing parent and ends each request in the same
+  order whether its pages were loaded or computed).
 * ``scheduling`` (the policy - delivered): ``scheduling``, signed: requests admitted together (a same-step hit can
   deliver more than the one-at-a-time replay), pages pinned by running requests, preemptions, Clear cache,
   cancelled requests. A trace cannot tell these apart, so the cause is one number.
 
 The never-seen causes come from one pass over the requests' chains; that pass also counts the ceiling's hits, and
 the two must agree with the replay's ceiling (a ``LadderError`` otherwise: a replay whose no-eviction rules changed
-under this module). ``Ladder`` is a plain frozen dataclass with ``to_dict`` (JSON) and ``csv_rows``, so a view
-renders it without knowing how it was made.
+under this module).
+
+Invariants, checked on random traces (``tests/test_ladder.py``): the rungs never rise from ``prompt_tokens`` down to the
+policy, but for a fleet's signed ``routing``; with a tier, under both semantics, every policy and both write policies,
+ceiling >= belady (C1 + C2) >= the policy + tier 2 >= the policy at C1 (a tier only adds hits), and
+``pool_hits_changed`` is 0 under LRU (and was never negative there under any policy, though that is not asserted). These
+orders are the replays' and are not proven (Belady's optimality here is ``belady.py``'s argument; for the tier, no
+counterexample turned up in 24,000 random tiered ladders, ids chained or repeated, searched while writing this):
+``_assemble`` checks only that each gap is the sum of its causes. A fleet or a ``delivered`` with a tier is refused
+(``LadderError``): the replay puts a tier behind one pool, and the scheduling gap would set an engine that delivered
+with a tier against the policy's rung, which has none.
+
+``Ladder`` is a plain frozen dataclass with ``to_dict`` (JSON) and ``csv_rows``, so a view renders it without
+knowing how it was made.
 """
 
 from __future__ import annotations
@@ -50,14 +79,17 @@ from typing import Any
 from astrai.eviction import POLICIES
 from astrai.lab.belady import Belady
 from astrai.lab.replay import SEMANTICS, Replay, ReplayResult, Semantics, curve
+from astrai.lab.tiered import run_tiered
 from astrai.lab.trace import Trace, TraceRequest
+from astrai.tier import WRITE_POLICIES, WritePolicy
 
-PAGE_FLOOR, NEVER_SEEN, CAPACITY, POLICY, ROUTING, SCHEDULING = (
+PAGE_FLOOR, NEVER_SEEN, CAPACITY, POLICY, ROUTING, TIER, SCHEDULING = (
     "page_floor",
     "never_seen",
     "capacity",
     "policy",
     "routing",
+    "tier",
     "scheduling",
 )
 PARTIAL_PAGE, LAST_TOKEN, NEW, DIVERGED, OTHER_NAMESPACE = (
@@ -74,7 +106,19 @@ PROMPT_TOKENS, REACHABLE, CEILING, SINGLE_POOL, DELIVERED = (
     "single_pool",
     "delivered",
 )
+EVICTED_BY_POLICY, SPLIT_INTO_TIERS, LOADED_FROM_TIER2, POOL_HITS_CHANGED = (
+    "evicted_by_policy",
+    "split_into_tiers",
+    "loaded_from_tier2",
+    "pool_hits_changed",
+)
+BELADY_BOTH_TIERS = f"{Belady.name} (C1 + C2)"  # Belady on one pool of both tiers' pages: a tier's reference
 CSV_HEADER = ("kind", "name", "cause", "tokens", "share")
+
+
+def tier_rung(policy: str) -> str:
+    """The name of the rung of ``policy`` at C1 with a second tier: ``lru + tier 2``."""
+    return f"{policy} + tier 2"
 
 
 class LadderError(ValueError):
@@ -83,7 +127,8 @@ class LadderError(ValueError):
 
 @dataclass(frozen=True)
 class Rung:
-    name: str  # a JSON name: prompt_tokens, reachable, ceiling, belady, single_pool, the policy's, delivered
+    name: str  # a JSON name: prompt_tokens, reachable, ceiling, belady (or BELADY_BOTH_TIERS), single_pool,
+    # tier_rung(policy), the policy's, delivered
     tokens: int
     share: float  # of prompt_tokens
 
@@ -92,7 +137,7 @@ class Rung:
 class Gap:
     """The drop from rung ``above`` to rung ``below``: ``tokens`` = above - below = the sum of ``causes``."""
 
-    name: str  # page_floor, never_seen, capacity, policy, routing, scheduling
+    name: str  # page_floor, never_seen, capacity, policy, routing, tier, scheduling
     above: str
     below: str
     tokens: int  # negative only for routing and scheduling (the lower rung served more)
@@ -106,11 +151,20 @@ class Ladder:
     requests: int
     replicas: int  # 1: one engine; more: a fleet (``single_pool`` is then a rung)
     block_size: int
-    capacity: int  # cached pages per replica
+    capacity: int  # cached pages per replica (tier 1's, with a second tier)
     policy: str
     semantics: Semantics  # the replay's rules (``replay.SEMANTICS``)
     rungs: tuple[Rung, ...]  # top to bottom
     gaps: tuple[Gap, ...]  # one between each two neighbouring rungs, top to bottom
+    tier2: int | None = None  # tier 2's blocks (LRU); None: no second tier
+    write: WritePolicy | None = None  # tier 2's write policy, with a tier
+
+    @property
+    def setting(self) -> str:
+        """What was replayed, in words: ``lru at 1,000 cached pages, tier 2 of 20,000 blocks written on_evict``."""
+        each = " per replica" if self.replicas > 1 else ""
+        tier = "" if self.tier2 is None else f", tier 2 of {self.tier2:,} blocks written {self.write}"
+        return f"{self.policy} at {self.capacity:,} cached pages{each}{tier}"
 
     def rung(self, name: str) -> Rung:
         return next(r for r in self.rungs if r.name == name)
@@ -129,6 +183,8 @@ class Ladder:
             "capacity": self.capacity,
             "policy": self.policy,
             "semantics": self.semantics,
+            "tier2": self.tier2,
+            "write": self.write,
             "rungs": {r.name: {"tokens": r.tokens, "share": r.share} for r in self.rungs},
             "gaps": [
                 {
@@ -162,6 +218,8 @@ def ladder(
     namespaces: Sequence[Hashable] | None = None,
     semantics: Semantics = SEMANTICS[0],
     processes: int | None = 1,
+    tier2: int | None = None,
+    write: str | None = None,
 ) -> Ladder:
     """The ladder of one engine's requests (``trace``, in the order they ran) at ``capacity`` cached pages.
 
@@ -170,7 +228,9 @@ def ladder(
     pages, and the trace's ids are then read as the prompts' contents, so a page computed under another namespace
     is told apart from a new one. ``semantics``: the replay's rules (what a capacity is: ``replay.py``).
     ``processes``: replays in parallel, forked (``replay.curve``'s; None: the CPUs). The default, 1, forks nothing:
-    keep it in a process with threads (a server: a fork copies one thread and whatever locks the others held)."""
+    keep it in a process with threads (a server: a fork copies one thread and whatever locks the others held).
+    ``tier2``: a second tier of that many blocks behind the pool (``capacity`` is then tier 1's), written ``write``
+    (``through``, the default, or ``on_evict``: ``tiered.py``); it adds the tier's rung (module docstring)."""
     return fleet_ladder(
         [trace],
         capacity,
@@ -179,6 +239,8 @@ def ladder(
         namespaces=None if namespaces is None else [namespaces],
         semantics=semantics,
         processes=processes,
+        tier2=tier2,
+        write=write,
     )
 
 
@@ -191,14 +253,17 @@ def fleet_ladder(
     namespaces: Sequence[Sequence[Hashable]] | None = None,
     semantics: Semantics = SEMANTICS[0],
     processes: int | None = 1,
+    tier2: int | None = None,
+    write: str | None = None,
 ) -> Ladder:
     """The ladder of a fleet: each replica's requests in the order it ran them, ``capacity`` cached pages each.
 
     The fleet's requests in one sequence (by timestamp; a tie keeps replica order, then each replica's own) give
     ``reachable``, ``ceiling``, ``belady`` and, with more than one replica, ``single_pool`` (capacity times the
     replicas); the policy's rung is each replica's own replay, summed. ``delivered`` and ``namespaces``: per
-    replica, as in ``ladder``."""
+    replica, as in ``ladder``. ``tier2`` and ``write``: as in ``ladder``, for one replica only."""
     _check_inputs(replicas, capacity, policy, delivered, namespaces)
+    tier = _check_tier(replicas, delivered, tier2, write)
     block_size = replicas[0].block_size
     order = sorted(
         ((request.timestamp, r, i) for r, trace in enumerate(replicas) for i, request in enumerate(trace.requests))
@@ -210,9 +275,11 @@ def fleet_ladder(
     pool = capacity * len(replicas)
     replays = _Replays(semantics, processes)
     prepared = replays.prepare(fleet)
-    # the policy with and without eviction in parallel, then Belady (its future is built after the fork, once)
-    ceiling, single = replays.run(prepared, policy, [None, pool])
-    (belady,) = replays.run(prepared, Belady.name, [pool])
+    # the policy with and without eviction in parallel, then Belady (its future is built after the fork, once);
+    # with a tier, Belady and the policy on one pool of both tiers' pages too
+    both = [] if tier is None else [pool + tier[0]]
+    ceiling, single, *one_pool = replays.run(prepared, policy, [None, pool, *both])
+    (belady,) = replays.run(prepared, Belady.name, both or [pool])
 
     floor = _page_floor(merged, block_size)
     seen = chains.never_seen(block_size)
@@ -228,13 +295,33 @@ def fleet_ladder(
         (CEILING, ceiling.hit_tokens, NEVER_SEEN, seen.causes),
     ]
     capacity_lost = ceiling.hit_tokens - belady.hit_tokens
+    served = single.hit_tokens
+    if tier is not None:
+        blocks, written = tier
+        tiered = run_tiered(prepared, policy, capacity, blocks, written, semantics)
+        lost = belady.hit_tokens - one_pool[0].hit_tokens
+        steps += [
+            (BELADY_BOTH_TIERS, belady.hit_tokens, CAPACITY, (("evicted", capacity_lost),)),
+            (
+                tier_rung(policy),
+                tiered.hit_tokens,
+                POLICY,
+                ((EVICTED_BY_POLICY, lost), (SPLIT_INTO_TIERS, one_pool[0].hit_tokens - tiered.hit_tokens)),
+            ),
+            (
+                policy,
+                served,
+                TIER,
+                ((LOADED_FROM_TIER2, tiered.tier2_hit_tokens), (POOL_HITS_CHANGED, tiered.tier1_hit_tokens - served)),
+            ),
+        ]
+        return _assemble(steps, replicas, capacity, policy, semantics, block_size, tier)
     steps.append((Belady.name, belady.hit_tokens, CAPACITY, (("evicted", capacity_lost),)))
     if len(replicas) == 1:
-        served = single.hit_tokens
-        steps.append((policy, served, POLICY, (("evicted_by_policy", belady.hit_tokens - served),)))
+        steps.append((policy, served, POLICY, ((EVICTED_BY_POLICY, belady.hit_tokens - served),)))
     else:
         steps.append(
-            (SINGLE_POOL, single.hit_tokens, POLICY, (("evicted_by_policy", belady.hit_tokens - single.hit_tokens),))
+            (SINGLE_POOL, single.hit_tokens, POLICY, ((EVICTED_BY_POLICY, belady.hit_tokens - single.hit_tokens),))
         )
         served = sum(_replicas_hits(replicas, own, order, capacity, policy, replays))
         steps.append((policy, served, ROUTING, (("other_replica", single.hit_tokens - served),)))
@@ -251,6 +338,7 @@ def _assemble(
     policy: str,
     semantics: Semantics,
     block_size: int,
+    tier: tuple[int, WritePolicy] | None = None,
 ) -> Ladder:
     prompt = steps[0][1]
     rungs = tuple(Rung(name, tokens, tokens / prompt) for name, tokens, _, _ in steps)
@@ -270,6 +358,8 @@ def _assemble(
         semantics=semantics,
         rungs=rungs,
         gaps=tuple(gaps),
+        tier2=None if tier is None else tier[0],
+        write=None if tier is None else tier[1],
     )
 
 
@@ -300,6 +390,29 @@ def _check_inputs(
                 )
 
 
+def _check_tier(
+    replicas: Sequence[Trace], delivered: object, tier2: int | None, write: str | None
+) -> tuple[int, WritePolicy] | None:
+    """The second tier asked for, as (blocks, write policy), or None; a ``LadderError`` for one that cannot be."""
+    if tier2 is None:
+        if write is not None:
+            raise LadderError(f"write={write!r} is a second tier's write policy: give tier2, its blocks")
+        return None
+    if isinstance(tier2, bool) or not isinstance(tier2, int) or tier2 < 0:
+        raise LadderError(f"tier2 must be an integer >= 0 (tier 2's blocks), got {tier2!r}")
+    policy = next((w for w in WRITE_POLICIES if w == (write or "through")), None)
+    if policy is None:
+        raise LadderError(f"write must be one of {list(WRITE_POLICIES)}, got {write!r}")
+    if len(replicas) > 1:
+        raise LadderError("a second tier is replayed behind one engine's pool: a fleet's ladder takes no tier2")
+    if delivered is not None:
+        raise LadderError(
+            "delivered with a second tier is not supported: the scheduling gap sets what an engine delivered "
+            "against the policy's rung, which has no tier"
+        )
+    return tier2, policy
+
+
 class _Replays:
     """The replay under one set of rules (``semantics``), each policy's capacities in parallel (``curve``)."""
 
@@ -309,7 +422,7 @@ class _Replays:
     def prepare(self, trace: Trace) -> Replay:
         return Replay(trace)
 
-    def run(self, prepared: Replay, policy: str, capacities: list[int | None]) -> list[ReplayResult]:
+    def run(self, prepared: Replay, policy: str, capacities: Sequence[int | None]) -> list[ReplayResult]:
         return curve(prepared, [policy], capacities, self.processes, self.semantics)
 
 

@@ -37,8 +37,8 @@ def ladder_html(ladder: Ladder) -> str:
     rules = ladder.semantics or "the replay's default"
     fleet = f", {ladder.replicas} replicas" if ladder.replicas > 1 else ""
     setting = (
-        f"{ladder.requests:,} requests{fleet}, pages of {ladder.block_size} tokens, {ladder.policy} at "
-        f"{ladder.capacity:,} cached pages{' per replica' if fleet else ''}; replay rules: {rules}"
+        f"{ladder.requests:,} requests{fleet}, pages of {ladder.block_size} tokens, {ladder.setting}; replay "
+        f"rules: {rules}"
     )
     rungs = "".join(
         f"<tr><td>{escape(r.name)}</td><td>{r.tokens:,}</td><td>{r.share:.2%}</td></tr>" for r in ladder.rungs

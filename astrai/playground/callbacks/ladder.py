@@ -90,6 +90,11 @@ def visitor_ladder(backend: Backend, infos: Sequence[RequestInfo], source: str) 
     policy = stats.eviction or UNREPORTED_POLICY
     if stats.eviction is None:
         notes.append(f"The server does not report its eviction policy: replayed under {policy}.")
+    if stats.second_tier is not None:
+        notes.append(
+            "Your engine has a second tier; this replay has none: the tokens it loaded from the tier are delivered, "
+            "and show in the scheduling gap (the lab's ladder replays a tier: python -m astrai.lab ladder --tier2)."
+        )
     namespaces = namespaces_of(backend, requests)
     if namespaces is None:
         notes.append(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 
-from astrai.lab.ladder import Gap, Ladder
+from astrai.lab.ladder import Gap, Ladder, tier_rung
 from astrai.lab.replay import CAPACITY_MEANING
 from astrai.playground.views.sizing import TRACE_NAMES
 
@@ -92,7 +92,8 @@ def ladder_chart(ladder: Ladder) -> go.Figure:
 
 def caption(ladder: Ladder, source: str, notes: tuple[str, ...] = ()) -> str:
     """What the ladder counts, exactly: the source, its requests, the page size, the capacity and what a capacity
-    means under the replay's rules, the policy, and the sources' own caveats (``notes``)."""
+    means under the replay's rules, the policy, a second tier where the ladder has one, and the sources' own caveats
+    (``notes``)."""
     fleet = f" on {ladder.replicas} replicas" if ladder.replicas > 1 else ""
     each = " each" if ladder.replicas > 1 else ""
     prompt = ladder.rungs[0].tokens
@@ -100,7 +101,16 @@ def caption(ladder: Ladder, source: str, notes: tuple[str, ...] = ()) -> str:
         f"**{source}**: {ladder.requests:,} requests{fleet}, {prompt:,} prompt tokens, pages of "
         f"{ladder.block_size} tokens; replayed one at a time through the engine's page pool at "
         f"**{ladder.capacity:,} pages**{each} ({CAPACITY_MEANING[ladder.semantics]}; replay rules "
-        f"'{ladder.semantics}'), policy **{ladder.policy}**. Each bar is a rung's prompt tokens as a share of all "
-        "of them; beside it, the gap from the rung above (hover it for its causes, in tokens)."
+        f"'{ladder.semantics}'), policy **{ladder.policy}**{_tier(ladder)}. Each bar is a rung's prompt tokens as "
+        "a share of all of them; beside it, the gap from the rung above (hover it for its causes, in tokens)."
     ]
     return " ".join([*parts, *notes])
+
+
+def _tier(ladder: Ladder) -> str:
+    if ladder.tier2 is None:
+        return ""
+    return (
+        f", behind it a second tier of **{ladder.tier2:,} blocks** (LRU) written {ladder.write}; "
+        f"'{tier_rung(ladder.policy)}' counts both tiers' hits"
+    )
