@@ -6,7 +6,6 @@ and the engine reports it: events, ``CacheStats.second_tier`` and the explainer'
 from __future__ import annotations
 
 import logging
-import os
 
 import pytest
 import torch
@@ -64,19 +63,76 @@ def test_a_round_trip_through_a_store_is_an_exact_copy(make_store, dtype):
         store.close()
 
 
-def test_a_file_store_reads_and_writes_a_run_in_one_call_per_plane(tmp_path, monkeypatch):
-    """The load bandwidth's reason: however long a run, a file store makes one system call per KV plane."""
-    pool = torch.randn(4, 16, 8)
+def counted(store: FileStore, calls: list[tuple[str, int]], short: int = 0) -> None:
+    """Count a file store's system calls as (name, iovecs); ``short``: each moves that many bytes too few."""
+    for name in ("_preadv", "_pwritev"):
+        real = getattr(store, name)
+
+        def call(fd: int, table: int, iovecs: int, at: int, _real=real, _name=name[1:]) -> int:
+            calls.append((_name, iovecs))
+            return _real(fd, table, iovecs, at) - short
+
+        setattr(store, name, call)
+
+
+def test_a_file_store_moves_a_run_in_one_call_split_only_past_the_iovec_limit(tmp_path, monkeypatch):
+    """The load bandwidth's reason: however long a run, a file store makes one system call for it, with one iovec a
+    (page, plane) segment, and splits it only where it has more segments than one call takes."""
+    pool = torch.randn(4, 16, 8)  # 4 planes, 16 pages
+    original = pool.clone()
     store = FileStore(tmp_path, 16, 4 * 8 * 4)
-    store.bind(planes_of(pool))
-    calls: list[str] = []
-    for name in ("preadv", "pwritev"):
-        real = getattr(os, name)
-        monkeypatch.setattr(os, name, lambda *args, _real=real, _name=name: calls.append(_name) or _real(*args))
-    store.write(0, 3, 12)
-    store.read(0, 0, 12)
-    store.close()
-    assert calls == ["pwritev"] * 4 + ["preadv"] * 4
+    try:
+        store.bind(planes_of(pool))
+        calls: list[tuple[str, int]] = []
+        counted(store, calls)
+        store.write(0, 3, 12)
+        store.read(2, 0, 1)
+        assert calls == [("pwritev", 48), ("preadv", 4)]
+        assert torch.equal(pool[:, 0], original[:, 5])
+        calls.clear()
+        monkeypatch.setattr("astrai.tier.store.IOV_MAX", 5)
+        pool.zero_()
+        store.read(0, 2, 12)  # 48 segments: 9 calls of 5 and one of 3, in order through one range of the file
+        assert calls == [("preadv", 5)] * 9 + [("preadv", 3)]
+        assert torch.equal(pool[:, 2:14].view(torch.uint8), original[:, 3:15].view(torch.uint8))
+        assert not pool[:, :2].any() and not pool[:, 14:].any()
+    finally:
+        store.close()
+
+
+def test_a_short_read_or_write_of_a_file_store_raises(tmp_path):
+    store = FileStore(tmp_path, 4, 2 * 8 * 4)
+    try:
+        store.bind(planes_of(torch.randn(2, 4, 8)))
+        counted(store, [], short=1)
+        with pytest.raises(OSError, match="short write of the second tier's file: 63 of 64 bytes"):
+            store.write(0, 0, 1)
+        with pytest.raises(OSError, match="short read of the second tier's file: 127 of 128 bytes"):
+            store.read(0, 1, 2)
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_store_bound_to_row_slices_of_the_planes_copies_only_their_pages(make_store, dtype):
+    """A tenant's pool is rows ``offset .. offset + n`` of each plane: its page ``p`` is the plane's row ``offset
+    + p``, and no copy touches a row outside its slice."""
+    kv = torch.randn(3, 10, 6).to(dtype)  # 3 planes of 10 pages; the tenant holds pages 4-7
+    original = kv.clone()
+    store = make_store(4, 3 * 6 * kv.element_size())
+    try:
+        store.bind([plane.view(torch.uint8)[4:8] for plane in kv])
+        store.write(0, 0, 4)  # the tenant's pages 0-3: rows 4-7
+        kv.zero_()
+        store.read(1, 1, 2)  # slots 1-2 into the tenant's pages 1-2: rows 5-6
+        store.read(3, 0, 1)  # slot 3 into the tenant's page 0: row 4
+        assert torch.equal(kv[:, 5:7].view(torch.uint8), original[:, 5:7].view(torch.uint8))
+        assert torch.equal(kv[:, 4].view(torch.uint8), original[:, 7].view(torch.uint8))
+        assert not kv[:, :4].view(torch.uint8).any() and not kv[:, 7:].view(torch.uint8).any()
+        with pytest.raises(IndexError, match="pages"):
+            store.read(0, 3, 2)  # page 4 of the tenant would be row 8: outside its slice
+    finally:
+        store.close()
 
 
 def test_pages_pair_by_rank_and_move_in_runs():
