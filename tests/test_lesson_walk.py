@@ -42,6 +42,7 @@ from typing import Any
 
 import pytest
 
+from astrai.explain import Cause
 from astrai.playground.backends.profiles import DEFAULT_PROFILE, Profile
 from astrai.playground.scenarios import FOLLOW_UP, SCENARIO_BY_NAME, Lesson, Scenario
 from astrai.playground.views.causes import TABLE_CAUSES
@@ -372,14 +373,17 @@ def _finish(v: Visitor, n: int, stop: Stop, compared: bool = False) -> RunResult
         for i, (badge, row) in enumerate(zip(badges, rows, strict=True)):
             where = f"{v.name}, {stop.title}, panel {i + 1} {half}"
             assert (badge.cached is None) == (not caching), (where, said[i])
-            assert int(row[3]) == badge.prompt and row[4] == ("off" if badge.cached is None else str(badge.cached)), (
-                where,
-                row,
-                said[i],
-            )
+            # the badge's cached tokens are the pool's ("cached") and those loaded from a second tier, one column each
+            causes = dict(zip(TABLE_CAUSES, row[4 : 4 + len(TABLE_CAUSES)], strict=True))
+            served = [int(causes[c]) for c in (Cause.CACHED, Cause.LOADED) if causes[c].isdigit()]
+            assert int(row[3]) == badge.prompt, (where, row, said[i])
+            if badge.cached is None:
+                assert causes[Cause.CACHED] == "off", (where, row, said[i])
+            else:
+                assert sum(served) == badge.cached, (where, row, said[i])
             generated = TABLE_COLUMNS.index("generated")
             assert 0 < int(row[generated]) <= int(raw["max_tokens"]), (where, "generated", row)
-            computed = [int(cell) for cell in row[5 : 4 + len(TABLE_CAUSES)] if cell.isdigit()]  # after "cached"
+            computed = [int(v) for c, v in causes.items() if c not in (Cause.CACHED, Cause.LOADED) and v.isdigit()]
             assert sum(computed) + (badge.cached or 0) == badge.prompt, (
                 where,
                 "the causes add up to the prompt",

@@ -6,8 +6,8 @@ list (a min-heap) and an eviction policy of ``astrai.eviction`` (LRU: ``POLICIES
 A slot held is evictable except while a lookup loads it (``reserve`` to ``loaded``, within one admission): the
 pool's evictions that make room for the load may write pages here, and must not take the slots being read.
 
-Pages move in runs (``store.py``): consecutive slots to or from consecutive pool pages, one copy or system call per
-KV plane per run. So the pages of one load or one write are paired lowest slot to lowest page (``by_rank``): the
+Pages move in runs (``store.py``): consecutive slots to or from consecutive pool pages, in as few copies or system
+calls as the store's layout allows, whatever the run's length. So the pages of one load or one write are paired lowest slot to lowest page (``by_rank``): the
 pool's pages for a load are fresh, and a write's slots are free or evicted ones, so any pairing is correct, and
 this one keeps runs whole wherever both sides are consecutive (a chain written together, or evicted tail first into
 the free list's lowest slots, loads back as one run).
@@ -180,7 +180,7 @@ class SecondTier:
         counters.bytes_loaded += len(slots) * page_bytes
         counters.load_seconds += seconds
         if self._emit is not None:
-            share = seconds / len(slots)  # a run's read is one call per plane: each page takes its share
+            share = seconds / len(slots)  # a run is read whole, not page by page: each page takes its share
             for slot, page in zip(slots, pages, strict=True):
                 key = self.key[slot]
                 assert key is not None, "a reserved slot is held"
