@@ -293,7 +293,7 @@ def test_browser_the_key_opens_presenter_mode_and_the_class_follows_the_banner(t
     if not shutil.which("chromium"):
         pytest.skip(NO_CHROMIUM)
     from tools import screenshot
-    from tools.browser import open_visitors
+    from tools.browser import open_visitors, poll_by_clock
     from tools.loadtest import launch_app
 
     ARTIFACTS.mkdir(exist_ok=True)
@@ -301,7 +301,9 @@ def test_browser_the_key_opens_presenter_mode_and_the_class_follows_the_banner(t
     with launch_app({"ASTRAI_TEACHER_KEY": KEY}, log_path=ARTIFACTS / "teacher-app.log") as url:
         with open_visitors(url, 2, viewport=(1366, 768)) as (visitor, wrong):
             wrong.goto(f"{url}?teacher={KEY[:-1]}z")
-            teacher = visitor.context.browser.new_context(viewport={"width": 1366, "height": 768}).new_page()
+            teacher = poll_by_clock(
+                visitor.context.browser.new_context(viewport={"width": 1366, "height": 768}).new_page()
+            )
             teacher.goto(f"{url}?teacher={KEY}")
             teacher.wait_for_selector("#class_panel", state="visible", timeout=60000)
             teacher.wait_for_selector("#astrai_presenter", state="attached", timeout=10000)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -19,6 +20,17 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
+
+
+# How often a page's ``wait_for_function`` checks its condition. Playwright's default checks at each animation frame,
+# and a headless page on two busy cores can go a minute without one: a run that had ended read as still running.
+POLL_MS = 250
+
+
+def poll_by_clock(page: Any) -> Any:
+    """``page``, its ``wait_for_function`` checking every ``POLL_MS`` unless a call says otherwise."""
+    page.wait_for_function = functools.partial(page.wait_for_function, polling=POLL_MS)
+    return page
 
 
 @contextlib.contextmanager
@@ -41,7 +53,7 @@ def open_visitors(
             for _ in range(count):
                 context = browser.new_context(viewport={"width": viewport[0], "height": viewport[1]})
                 context.route(re.compile(r"^https?://(?!127\.0\.0\.1)"), lambda route: route.abort())  # never stall
-                page = context.new_page()
+                page = poll_by_clock(context.new_page())
                 if prepare is not None:
                     prepare(page)
                 page.goto(url)

@@ -130,7 +130,8 @@ READ_JS = r"""
     if (!box) return null;
     const spans = [...box.querySelectorAll('[data-cause]')];  // a run of tokens of one cause (views/causes.py)
     const count = runs => runs.reduce((n, s) => n + +s.dataset.tokens, 0);
-    return {total: count(spans), cached: count(spans.filter(s => s.dataset.cause === 'cached')),
+    // served: the pool's cached tokens and those loaded from a second tier, as a badge's cached count is
+    return {total: count(spans), cached: count(spans.filter(s => ['cached', 'loaded'].includes(s.dataset.cause))),
             titled: spans.every(s => s.title.length > 0)};
   };
   const table = [];
