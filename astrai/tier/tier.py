@@ -7,10 +7,10 @@ A slot held is evictable except while a lookup loads it (``reserve`` to ``loaded
 pool's evictions that make room for the load may write pages here, and must not take the slots being read.
 
 Pages move in runs (``store.py``): consecutive slots to or from consecutive pool pages, in as few copies or system
-calls as the store's layout allows, whatever the run's length. So the pages of one load or one write are paired lowest slot to lowest page (``by_rank``): the
-pool's pages for a load are fresh, and a write's slots are free or evicted ones, so any pairing is correct, and
-this one keeps runs whole wherever both sides are consecutive (a chain written together, or evicted tail first into
-the free list's lowest slots, loads back as one run).
+calls as the store's layout allows, whatever the run's length. So the pages of one load or one write are paired
+lowest slot to lowest page (``by_rank``): the pool's pages for a load are fresh, and a write's slots are free or
+evicted ones, so any pairing is correct, and this one keeps runs whole wherever both sides are consecutive (a chain
+written together, or evicted tail first into the free list's lowest slots, loads back as one run).
 
 Write policies (``write_policy``):
 
