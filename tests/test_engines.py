@@ -95,6 +95,13 @@ def test_engines_and_kv_memory_are_bounded():
         engines.ensure(TINY)  # 0.75 MB
         with pytest.raises(EngineLimitReached, match="engines, its limit"):
             engines.ensure(Profile(settings=EngineSettings(n_pages=8), name="x"))
+        # own pools are past the engine bound (their pages are the reserve's), but a second tier of their own is KV
+        # memory beside it: 0.25 MB left of the budget holds one 3-page tier (0.14 MB), not two
+        tiered = Profile(settings=EngineSettings(n_pages=8, offload_pages=3), name="tiered", per_visitor=True)
+        engines.ensure(engines.own(tiered, "first"))
+        with pytest.raises(EngineLimitReached, match="MB of KV does not fit"):
+            engines.ensure(engines.own(tiered, "second"))
+        engines.ensure(engines.own(TINY, "second"))  # an own pool without a tier takes nothing of the budget
     finally:
         engines.shutdown()
 

@@ -271,23 +271,24 @@ class LocalEngines:
         slots = [slot for slot in self._slots.values() if slot.profile.owner is None]  # engines, not own pools
         if not slots:
             return  # the default engine: the operator's own choice, always built
+        if new.profile.owner is None:  # an engine of its own (an own pool is in the default engine's reserve)
+            if len(slots) >= self._max_engines:
+                raise EngineLimitReached(
+                    f"This Space already runs {len(slots)} engines, its limit: use a scenario's engine, or try again "
+                    "in a few minutes, when an idle one has been retired."
+                )
+            if new.profile.custom and sum(s.profile.custom for s in slots) >= self._max_custom:
+                raise EngineLimitReached(
+                    f"All {self._max_custom} engines for visitors' own settings are taken. Pick settings another "
+                    "visitor uses, a scenario, or try again in a few minutes, when an idle one has been retired."
+                )
+        if not new.kv_bytes:
+            return  # an own pool without a second tier: its pages are the reserve's, counted with the default engine
         used = sum(s.kv_bytes for s in self._slots.values())  # own pools' second tiers too
         if used + new.kv_bytes > self._kv_budget:
             raise EngineLimitReached(
                 f"A pool of {new.kv_bytes / 2**20:.0f} MB of KV does not fit: {used / 2**20:.0f} of the Space's "
                 f"{self._kv_budget / 2**20:.0f} MB are in use. Choose fewer pages, or try again later."
-            )
-        if new.profile.owner is not None:
-            return  # a pool in the default engine's reserve: no engine of its own
-        if len(slots) >= self._max_engines:
-            raise EngineLimitReached(
-                f"This Space already runs {len(slots)} engines, its limit: use a scenario's engine, or try again "
-                "in a few minutes, when an idle one has been retired."
-            )
-        if new.profile.custom and sum(s.profile.custom for s in slots) >= self._max_custom:
-            raise EngineLimitReached(
-                f"All {self._max_custom} engines for visitors' own settings are taken. Pick settings another visitor "
-                "uses, a scenario, or try again in a few minutes, when an idle one has been retired."
             )
 
     def _kv_bytes(self, profile: Profile) -> int:
