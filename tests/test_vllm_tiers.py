@@ -200,3 +200,19 @@ def test_the_tier_line_names_what_is_not_reported_and_keeps_the_engines_figures(
         "**Second tier** (CPU): **5** pages held · 7 written · 2 evicted from it · write policy, capacity, tokens "
         "loaded from it, pages loaded, bytes loaded, load time, bytes written: n/a (vLLM does not report it)"
     )
+
+
+def test_a_fleets_merged_stats_and_history_carry_no_replicas_tier():
+    """A replica's tier is its own: the fleet's one cache must not show the first replica's as the fleet's."""
+    import dataclasses
+
+    from astrai.observation import CacheStats, StepSample, TierStats
+    from astrai.playground.backends.vllm import fleet
+
+    tier = TierStats("CPU", None, None, 5, None, 7, None, 2, None, None, None, None, True)
+    base = dict.fromkeys(f.name for f in dataclasses.fields(CacheStats))
+    base |= dict(finished=0, cancelled=0, failed=0, generated_tokens=0, steps=1, prefix_caching=True)
+    replicas = [CacheStats(**(base | {"second_tier": tier})), CacheStats(**base)]
+    assert fleet.merge_stats(replicas).second_tier is None
+    sample = StepSample(1, 0.0, 0.0, None, None, None, None, None, 0, 0, None, 0, (), (), (), tier_pages=5)
+    assert [s.tier_pages for s in fleet.merge_history([[sample], []])] == [None]
