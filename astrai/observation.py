@@ -43,20 +43,23 @@ class TierStats:
     ``hit_tokens`` is the part of ``CacheStats.hit_tokens`` the tier served (first admissions, counted as the pool's
     are), so the pool's own hits are ``CacheStats.hit_tokens - hit_tokens``. Bytes and seconds count every page
     moved, re-admissions' loads included; ``load_seconds`` is reading the store into the pool's pages.
+
+    None: not reported. The engine fills every field; a vLLM server's tier is seen only through its KV events, which
+    tell its medium, the blocks it holds, writes and evictions, and nothing else.
     """
 
-    medium: str  # where its pages live: "memory", "pinned host memory" or "file"
-    write_policy: str  # "through" or "on_evict"
-    capacity_pages: int
+    medium: str  # where its pages live: "memory", "pinned host memory" or "file" (vLLM: the events' "CPU", ...)
+    write_policy: str | None  # "through" or "on_evict"
+    capacity_pages: int | None
     pages: int  # pages held now
-    hit_tokens: int
+    hit_tokens: int | None
     written_pages: int
-    loaded_pages: int
+    loaded_pages: int | None
     evictions: int  # pages the tier's own policy gave up for others
-    bytes_written: int
-    bytes_loaded: int
-    write_seconds: float
-    load_seconds: float
+    bytes_written: int | None
+    bytes_loaded: int | None
+    write_seconds: float | None
+    load_seconds: float | None
     enabled: bool  # False once a store error switched it off (``error`` says why); it then serves nothing
     error: str | None = None
 

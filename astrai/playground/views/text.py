@@ -186,17 +186,34 @@ def stats_line(stats: CacheStats, derived: frozenset[str] = frozenset(), caveat:
 
 
 def tier_line(tier: TierStats) -> str:
-    """The engine's second tier in words: where it lives, how full it is, what it served and what moving pages cost.
-    Its hit tokens are a part of the reuse the stats line counts (the pool's own hits are the rest)."""
+    """The second tier in words: where it lives, how full it is, what it served and what moving pages cost.
+    Its hit tokens are a part of the reuse the stats line counts (the pool's own hits are the rest). What the
+    backend does not report (None: a vLLM server's tier, seen through its KV events) is named as "n/a", never 0."""
     if not tier.enabled:
         return f"**Second tier** ({tier.medium}): switched off after an error: {tier.error or 'unknown'}"
-    return (
-        f"**Second tier** ({tier.medium}, written {WRITE_POLICIES.get(tier.write_policy, tier.write_policy)}): "
-        f"**{tier.pages}** of {tier.capacity_pages} pages held · **{tier.hit_tokens}** of the reused prompt tokens "
-        f"loaded from it · {tier.loaded_pages} pages loaded ({_megabytes(tier.bytes_loaded)}) in "
-        f"{1000 * tier.load_seconds:.1f} ms · {tier.written_pages} written ({_megabytes(tier.bytes_written)}) · "
-        f"{tier.evictions} evicted from it"
-    )
+    policy = tier.write_policy
+    how = "" if policy is None else f", written {WRITE_POLICIES.get(policy, policy)}"
+    held = f"**{tier.pages}** of {tier.capacity_pages}" if tier.capacity_pages is not None else f"**{tier.pages}**"
+    parts = [f"**Second tier** ({tier.medium}{how}): {held} pages held"]
+    if tier.hit_tokens is not None:
+        parts.append(f"**{tier.hit_tokens}** of the reused prompt tokens loaded from it")
+    if tier.loaded_pages is not None and tier.bytes_loaded is not None and tier.load_seconds is not None:
+        ms = 1000 * tier.load_seconds
+        parts.append(f"{tier.loaded_pages} pages loaded ({_megabytes(tier.bytes_loaded)}) in {ms:.1f} ms")
+    written = "" if tier.bytes_written is None else f" ({_megabytes(tier.bytes_written)})"
+    parts += [f"{tier.written_pages} written{written}", f"{tier.evictions} evicted from it"]
+    shown = {
+        "write policy": policy,
+        "capacity": tier.capacity_pages,
+        "tokens loaded from it": tier.hit_tokens,
+        "pages loaded": tier.loaded_pages,
+        "bytes loaded": tier.bytes_loaded,
+        "load time": tier.load_seconds,
+        "bytes written": tier.bytes_written,
+    }
+    if unreported := [what for what, value in shown.items() if value is None]:
+        parts.append(f"{', '.join(unreported)}: {NOT_REPORTED}")
+    return " · ".join(parts)
 
 
 # the tier's write policies (``TierStats.write_policy``), in words

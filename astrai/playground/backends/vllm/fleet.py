@@ -38,7 +38,8 @@ SUMMED = (
 
 def merge_stats(stats: Sequence[CacheStats]) -> CacheStats:
     """The replicas' stats as one cache's (``stats`` non-empty). Outcomes and generated tokens are this app's and
-    equal in every replica's stats (they share the backend's counts): taken once."""
+    equal in every replica's stats (they share the backend's counts): taken once. A replica's offloading tier is
+    its own (each replica's stats show it): the fleet's has none."""
     first = stats[0]
     summed: dict[str, Any] = {}  # CacheStats' int | None fields, by name
     for name in SUMMED:
@@ -57,6 +58,7 @@ def merge_stats(stats: Sequence[CacheStats]) -> CacheStats:
         recent_hit_rate=_recent(stats, hit_rate),
         steps=max(s.steps for s in stats),
         prefix_caching=all(s.prefix_caching for s in stats),
+        second_tier=None,
     )
 
 
@@ -101,9 +103,10 @@ def merge_history(per_replica: Sequence[list[StepSample]]) -> list[StepSample]:
     """The replicas' samples in their shared ``step`` order, the pages they changed renumbered.
 
     A sample's counts (hits, queries, evictions, preemptions in that step) add up across the fleet; its occupancy
-    was its own replica's alone, so it is None here (the per-replica charts read each replica's history). The
-    requests' tokens and admissions come from the backend's one table of requests, which every replica's sampler
-    reads: they are kept from the first replica's samples only, else a fleet of n replays each token n times."""
+    (its tier's included) was its own replica's alone, so it is None here (the per-replica charts read each
+    replica's history). The requests' tokens and admissions come from the backend's one table of requests, which
+    every replica's sampler reads: they are kept from the first replica's samples only, else a fleet of n replays
+    each token n times."""
     n = len(per_replica)
     tagged = [[(s.step, r, s) for s in samples] for r, samples in enumerate(per_replica)]
     return [
@@ -112,6 +115,7 @@ def merge_history(per_replica: Sequence[list[StepSample]]) -> list[StepSample]:
             free_pages=None,
             used_pages=None,
             cached_pages=None,
+            tier_pages=None,
             page_changes=tuple(_renumber(p, r, n) for p in s.page_changes),
             sampled=s.sampled if r == 0 else (),
             admitted=s.admitted if r == 0 else (),

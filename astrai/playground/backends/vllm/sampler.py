@@ -5,6 +5,9 @@ times a second the sampler reads ``/metrics`` (``metrics.parse_metrics``) and th
 into page events and stable pages (``pages.BlockPages``), and records a ``StepSample`` when anything moved. Its
 ``page_changes`` come from the tracker; ``prefill_tokens`` / ``decode_tokens`` are ``None`` (not reported per step).
 Cached-but-unused blocks are *derived* (blocks held by the events − blocks in use by ``kv_cache_usage_perc``).
+A server with an offloading tier (KV events with a medium other than the pool's, ``tracker``) gets it as the
+stats' ``second_tier`` and the samples' ``tier_pages``: the blocks it holds, writes and evictions, by the events;
+the rest of ``TierStats`` is None (not reported). A server with several tiers shows its nearest (CPU before STORAGE).
 
 Invariants:
 
@@ -30,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from astrai.observation import CacheSnapshot, CacheStats, EngineEvent, StepSample
+from astrai.observation import CacheSnapshot, CacheStats, EngineEvent, StepSample, TierStats
 from astrai.playground.backends.protocol import BackendUnavailable
 from astrai.playground.backends.vllm.metrics import MetricsParseError, VllmMetrics, parse_metrics
 from astrai.playground.backends.vllm.pages import BlockPages
@@ -53,6 +56,32 @@ def _occupancy(metrics: VllmMetrics, snap: TrackerSnapshot | None) -> tuple[int 
     used = round(usage * n) if n is not None and usage is not None else None
     cached = max(0, snap.cached_copies - used) if snap is not None and used is not None else None
     return n, used, cached, max(0, n - used - cached) if cached is not None else None  # type: ignore[operator]
+
+
+NEAREST_FIRST = ("CPU", "STORAGE")  # vLLM's offloading media, nearest the pool first (vllm.v1.kv_offload.base.Medium)
+
+
+def _second_tier(snap: TrackerSnapshot | None) -> TierStats | None:
+    """The server's nearest offloading tier as its KV events show it; None until the events named one. The events
+    tell its medium, the blocks it holds, its writes and evictions: every other field is None (not reported)."""
+    if snap is None or not snap.tiers:
+        return None
+    tier = min(snap.tiers, key=lambda t: NEAREST_FIRST.index(t.medium) if t.medium in NEAREST_FIRST else 99)
+    return TierStats(
+        medium=tier.medium,
+        write_policy=None,
+        capacity_pages=None,
+        pages=len(tier.blocks),
+        hit_tokens=None,
+        written_pages=tier.written_blocks,
+        loaded_pages=None,
+        evictions=tier.evicted_blocks,
+        bytes_written=None,
+        bytes_loaded=None,
+        write_seconds=None,
+        load_seconds=None,
+        enabled=True,
+    )
 
 
 def _int(value: float | None) -> int | None:
@@ -175,6 +204,7 @@ class Sampler:
             generated_tokens=outcomes["generated"],
             steps=step,
             prefix_caching=metrics.prefix_caching is not False,
+            second_tier=_second_tier(snap),
         )
 
     def snapshot(self) -> CacheSnapshot:
@@ -195,7 +225,14 @@ class Sampler:
         are no events). The tracker's view is incomplete while a resync replays, and after events it missed that
         the server's replay buffer no longer held (or before this app joined, without a replay endpoint)."""
         snap = self._tracker()
-        if snap is None or snap.complete:
+        if snap is None:
+            return None
+        if snap.complete:
+            if snap.tiers and not snap.tiers_complete:
+                return (
+                    "The second tier's count may be incomplete: some of the server's KV events were missed; a cache "
+                    "reset does not clear the tier, so only a replay from the server's start makes it whole"
+                )
             return None
         if (self._subscriber.status() or {}).get("resyncing"):
             return "The page map is being rebuilt from the server's KV events (resync): it may be incomplete meanwhile"
@@ -289,7 +326,9 @@ class Sampler:
                 if request.status in ("waiting", "running"):
                     running.append(rid)
             _, used, cached, free = _occupancy(metrics, snap)
-            signature = (used, cached, metrics.running, metrics.waiting, tuple(running))
+            tier = _second_tier(snap)
+            tier_pages = tier.pages if tier is not None else None
+            signature = (used, cached, tier_pages, metrics.running, metrics.waiting, tuple(running))
             moved = changes or events or sampled or admitted or any(delta.values()) or signature != self._last_signature
             self._last_signature = signature
             if not moved:
@@ -319,6 +358,7 @@ class Sampler:
                     sampled=tuple(sampled),
                     page_changes=tuple(changes),
                     admitted=tuple(admitted),
+                    tier_pages=tier_pages,
                 )
             )
 

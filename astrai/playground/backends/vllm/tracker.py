@@ -15,6 +15,17 @@ What the events say, and what they do not (checked against vLLM 0.32's block poo
   cache. vLLM publishes queued events with the next scheduler step, so a reset shows up with the next request.
 - Not in the events: which request holds a block now (ref counts), the LRU order, free-but-cached vs in-use.
 
+Media (``medium``; vLLM's ``MEDIUM_GPU`` / ``MEDIUM_CPU`` / ``MEDIUM_STORAGE`` in ``vllm/distributed/kv_events.py``):
+the block pool's events say "GPU" (older servers: None), an offloading tier's (``OffloadingConnector``) "CPU" or
+"STORAGE". The same hash can be held in the pool and in a tier at once, so each tier's blocks are kept apart from the
+pool's (``TierBlocks``): a store or removal with a tier's medium touches that tier only, one with the pool's medium
+(or none) the pool only. The connector announces a hash again for each offloaded chunk that holds it, and expects
+consumers to count these announcements (``CachedBlock.copies`` does); it names every pool block of a chunk only with
+``self_describing_kv_events``, else one placeholder hash per chunk (no tokens), so a tier's "blocks" are chunks then.
+``AllBlocksCleared`` is the block pool's reset (``BlockPool.reset_prefix_cache``): it empties the pool only. The
+tier is reset only by ``POST /reset_prefix_cache?reset_external=true``, which sends no event: the tracker cannot see
+it, and a tier's view is whole only when every batch since the publisher started was applied (``tiers_complete``).
+
 ``seq`` (per publisher, from 0) is what tells a gap, a duplicate (the same batch live and replayed) and a restarted
 server apart: :meth:`BlockTracker.classify`.
 """
@@ -23,7 +34,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, MutableMapping
 from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from types import MappingProxyType
@@ -31,11 +42,17 @@ from types import MappingProxyType
 from astrai.playground.backends.vllm.encoding import (
     AllBlocksCleared,
     BlockHash,
-    BlockRemoved,
     BlockStored,
     Event,
     KVEventBatch,
 )
+
+POOL_MEDIUM = "GPU"  # vLLM's MEDIUM_GPU: the block pool's medium (older servers send None)
+
+
+def tier_medium(medium: str | None) -> str | None:
+    """The tier an event's ``medium`` names; None for the block pool (its own medium, or none from older servers)."""
+    return None if medium is None or medium == POOL_MEDIUM else medium
 
 
 class SeqStatus(StrEnum):
@@ -73,6 +90,17 @@ class RemovedBlock:
 
 
 @dataclass(frozen=True)
+class TierBlocks:
+    """One offloading tier's blocks (by medium, apart from the pool's), and what its events counted."""
+
+    medium: str  # as the events name it: "CPU", "STORAGE"
+    blocks: MappingProxyType[BlockHash, CachedBlock]
+    written_blocks: int = 0  # stores of a hash the tier did not hold (a repeated announcement is not one)
+    evicted_blocks: int = 0  # removals of a hash's last announced copy
+    unknown_removals: int = 0  # BlockRemoved for a hash the tier did not hold
+
+
+@dataclass(frozen=True)
 class TrackerSnapshot:
     """An immutable view of the tracker at one moment."""
 
@@ -82,7 +110,9 @@ class TrackerSnapshot:
     last_seq: int | None = None
     last_ts: float | None = None
     data_parallel_rank: int | None = None
-    block_size: int | None = None
+    block_size: int | None = None  # the pool's
+    tiers: tuple[TierBlocks, ...] = ()  # every non-pool medium seen, in the order first seen
+    tiers_complete: bool = False  # True when every batch since the publisher started was applied
     batches: int = 0
     stored_blocks: int = 0  # new physical copies
     duplicate_stores: int = 0  # of those, copies of a hash already held
@@ -111,8 +141,17 @@ _FIELDS = [f.name for f in fields(TrackerSnapshot)]
 _COUNTERS = _FIELDS[_FIELDS.index("batches") :]  # the snapshot's counters: its fields from ``batches`` on
 
 
+class _Tier:
+    """A tier's live state in the tracker: its blocks, and its counters (kept across resets, as the pool's are)."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[BlockHash, CachedBlock] = {}
+        self.counters = {"written_blocks": 0, "evicted_blocks": 0, "unknown_removals": 0}
+
+
 class BlockTracker:
-    """The prefix cache of one publisher (one data-parallel rank), rebuilt from its event batches.
+    """The prefix cache of one publisher (one data-parallel rank), rebuilt from its event batches: the block pool's
+    blocks, and each offloading tier's apart (the module docstring).
 
     ``apply(seq, batch)`` is the only writer. Reads go through :meth:`snapshot`; both hold a lock, so one thread can
     feed while others read.
@@ -126,6 +165,7 @@ class BlockTracker:
         # session id -> seq of the last batch whose BlockStored named it (a store, or a "full"-mode reuse report):
         # which requests this publisher's engine served. Kept across resets: a restart does not undo what was served.
         self._sessions: OrderedDict[str, int] = OrderedDict()
+        self._tiers: dict[str, _Tier] = {}  # medium -> its tier; a medium once seen stays (the server has that tier)
         self._reset_state()
         self._counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
 
@@ -136,6 +176,9 @@ class BlockTracker:
         self._last_seq: int | None = None
         self._last_ts: float | None = None
         self._complete = False
+        self._tiers_complete = False
+        for tier in self._tiers.values():
+            tier.blocks.clear()
         self._rank: int | None = None
         self._block_size: int | None = None
 
@@ -173,7 +216,7 @@ class BlockTracker:
         whole cache. No effect once a batch was applied."""
         with self._lock:
             if self._last_seq is None and not self._blocks:
-                self._complete = True
+                self._complete = self._tiers_complete = True
 
     def apply(self, seq: int, batch: KVEventBatch) -> SeqStatus:
         """Apply one batch. A gap or a late join marks the view incomplete (it is applied all the same); a restart
@@ -187,15 +230,15 @@ class BlockTracker:
             if status is SeqStatus.RESTART:
                 counters["restarts"] += 1
                 self._reset_state()
-                self._complete = seq == 0
+                self._complete = self._tiers_complete = seq == 0
             elif status is SeqStatus.GAP:
                 counters["gaps"] += 1
                 counters["missed_batches"] += seq - self._last_seq - 1  # type: ignore[operator]
-                self._complete = False
+                self._complete = self._tiers_complete = False
             elif status is SeqStatus.LATE_JOIN:
-                self._complete = False
+                self._complete = self._tiers_complete = False
             elif self._last_seq is None:  # seq 0 on a fresh tracker: we have seen everything
-                self._complete = True
+                self._complete = self._tiers_complete = True
             counters["batches"] += 1
             counters["skipped_events"] += batch.skipped
             for event in batch.events:
@@ -212,16 +255,36 @@ class BlockTracker:
     # -- events --
 
     def _apply_event(self, event: Event, seq: int, ts: float) -> None:
-        if isinstance(event, BlockStored):
-            self._stored(event, seq, ts)
-        elif isinstance(event, BlockRemoved):
-            for block_hash in event.block_hashes:
-                self._removed_one(block_hash, seq, ts)
-        elif isinstance(event, AllBlocksCleared):
+        if isinstance(event, AllBlocksCleared):  # the block pool's reset: a tier keeps its blocks
             self._counters["clears"] += 1
             self._blocks.clear()
             self._removed.clear()
-            self._complete = True  # the cache is empty: from here on we know all of it
+            self._complete = True  # the pool is empty: from here on we know all of it
+            return
+        medium = tier_medium(event.medium)
+        if medium is not None:
+            tier = self._tiers.setdefault(medium, _Tier())
+            if isinstance(event, BlockStored):
+                self._stored_in_tier(tier, event, seq, ts)
+            else:
+                for block_hash in event.block_hashes:
+                    self._removed_from_tier(tier, block_hash, seq)
+        elif isinstance(event, BlockStored):
+            self._stored(event, seq, ts)
+        else:
+            for block_hash in event.block_hashes:
+                self._removed_one(block_hash, seq, ts)
+
+    def _stored_in_tier(self, tier: _Tier, event: BlockStored, seq: int, ts: float) -> None:
+        """A tier's store: each hash's announcement counted, never read as a reuse report (those are the pool's)."""
+        tier.counters["written_blocks"] += sum(held is None for held, _ in _stored_blocks(tier.blocks, event, seq, ts))
+
+    def _removed_from_tier(self, tier: _Tier, block_hash: BlockHash, seq: int) -> None:
+        gone = _remove_copy(tier.blocks, block_hash, seq)
+        if gone is None:
+            tier.counters["unknown_removals"] += 1
+        elif block_hash not in tier.blocks:
+            tier.counters["evicted_blocks"] += 1
 
     def _stored(self, event: BlockStored, seq: int, ts: float) -> None:
         hashes = event.block_hashes
@@ -241,42 +304,20 @@ class BlockTracker:
                 blocks[h] = replace(blocks[h], hit_reports=blocks[h].hit_reports + 1, last_seq=seq)
                 self._counters["hit_reports"] += 1
             return
-        tokens = event.token_ids
-        size = event.block_size
-        parent = event.parent_block_hash
-        for i, h in enumerate(hashes):
-            chunk = tuple(tokens) if len(hashes) == 1 else tuple(tokens[i * size : (i + 1) * size])
-            held = blocks.get(h)
+        for held, block in _stored_blocks(blocks, event, seq, ts):
             self._counters["stored_blocks"] += 1
             if held is not None:
                 self._counters["duplicate_stores"] += 1
-                blocks[h] = replace(held, copies=held.copies + 1, last_seq=seq)
-            else:
-                blocks[h] = CachedBlock(
-                    block_hash=h,
-                    parent_hash=parent,
-                    token_ids=chunk,
-                    block_size=size,
-                    stored_seq=seq,
-                    last_seq=seq,
-                    stored_ts=ts,
-                    session_id=event.session_id,
-                    medium=event.medium,
-                    group_idx=event.group_idx,
-                )
-            self._removed.pop(h, None)
-            parent = h
+            self._removed.pop(block.block_hash, None)
 
     def _removed_one(self, block_hash: BlockHash, seq: int, ts: float) -> None:
-        held = self._blocks.get(block_hash)
+        held = _remove_copy(self._blocks, block_hash, seq)
         if held is None:
             self._counters["unknown_removals"] += 1
             return
         self._counters["removed_blocks"] += 1
-        if held.copies > 1:
-            self._blocks[block_hash] = replace(held, copies=held.copies - 1, last_seq=seq)
+        if block_hash in self._blocks:  # another copy is still held
             return
-        del self._blocks[block_hash]
         self._removed.pop(block_hash, None)
         self._removed[block_hash] = RemovedBlock(block_hash, seq, ts, held.token_ids)
         while len(self._removed) > self._recent_limit:
@@ -300,8 +341,67 @@ class BlockTracker:
                 last_ts=self._last_ts,
                 data_parallel_rank=self._rank,
                 block_size=self._block_size,
+                tiers=tuple(
+                    TierBlocks(medium, MappingProxyType(dict(tier.blocks)), **tier.counters)
+                    for medium, tier in self._tiers.items()
+                ),
+                tiers_complete=self._tiers_complete,
                 **self._counters,
             )
 
 
-__all__ = ["BlockTracker", "CachedBlock", "RemovedBlock", "SeqStatus", "TrackerSnapshot"]
+def _stored_blocks(
+    blocks: MutableMapping[BlockHash, CachedBlock], event: BlockStored, seq: int, ts: float
+) -> list[tuple[CachedBlock | None, CachedBlock]]:
+    """Store ``event``'s blocks in ``blocks`` (the pool's or a tier's): a hash already held gains a copy, a new one
+    is recorded with its tokens and parent. Returns ``(held before, held now)`` for each hash, in order."""
+    tokens = event.token_ids
+    size = event.block_size
+    parent = event.parent_block_hash
+    stored = []
+    for i, h in enumerate(event.block_hashes):
+        chunk = tuple(tokens) if len(event.block_hashes) == 1 else tuple(tokens[i * size : (i + 1) * size])
+        held = blocks.get(h)
+        if held is not None:
+            blocks[h] = replace(held, copies=held.copies + 1, last_seq=seq)
+        else:
+            blocks[h] = CachedBlock(
+                block_hash=h,
+                parent_hash=parent,
+                token_ids=chunk,
+                block_size=size,
+                stored_seq=seq,
+                last_seq=seq,
+                stored_ts=ts,
+                session_id=event.session_id,
+                medium=event.medium,
+                group_idx=event.group_idx,
+            )
+        stored.append((held, blocks[h]))
+        parent = h
+    return stored
+
+
+def _remove_copy(blocks: MutableMapping[BlockHash, CachedBlock], block_hash: BlockHash, seq: int) -> CachedBlock | None:
+    """Remove one copy of ``block_hash`` from ``blocks`` (the block leaves with its last copy); returns the block as
+    it was held, None when it was not."""
+    held = blocks.get(block_hash)
+    if held is None:
+        return None
+    if held.copies > 1:
+        blocks[block_hash] = replace(held, copies=held.copies - 1, last_seq=seq)
+    else:
+        del blocks[block_hash]
+    return held
+
+
+__all__ = [
+    "POOL_MEDIUM",
+    "BlockTracker",
+    "CachedBlock",
+    "RemovedBlock",
+    "SeqStatus",
+    "TierBlocks",
+    "TrackerSnapshot",
+    "tier_medium",
+]
