@@ -210,7 +210,7 @@ SECOND_TIER = Scenario(
     ],
     max_tokens=16,
     profile=SECOND_TIER_PROFILE,
-    namespace="mine",  # a run hits only the visitor's own pages: the class's runs only push them further out
+    namespace="mine",  # a run hits only the visitor's own pages (on a pool shared with the class too)
 )
 # A fleet behind two routers (round_robin and a prefix-aware policy) gets one more scenario and lesson step. Each
 # tenant's system prompt is long (several full blocks of vLLM's 32 tokens) and its own, so where its requests land
@@ -277,13 +277,13 @@ def policy_claim() -> str:
 
 
 # The second-tier step says a page loads at least this many times faster than it is computed, on the embedded model:
-# tests/test_lesson_truth.py measures both on the machine that runs the suite (docs/benchmarks.md: 460× to 10,000×)
+# tests/test_scenarios.py measures both on the machine that runs the suite (docs/benchmarks.md: 460× to 10,000×)
 LOAD_FASTER_THAN_COMPUTE = 10
 
 
 def second_tier_claim() -> str:
     """The second-tier step's text: its figures from the scenario and its pool's settings; its comparison of load
-    and compute costs measured by tests/test_lesson_truth.py (``LOAD_FASTER_THAN_COMPUTE``)."""
+    and compute costs measured by tests/test_scenarios.py (``LOAD_FASTER_THAN_COMPUTE``)."""
     settings = SECOND_TIER.profile.settings
     loaded = SECOND_TIER_PAGES * settings.page_size
     return (
